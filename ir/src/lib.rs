@@ -7,7 +7,13 @@ pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod rng;
+pub mod trace;
+pub mod verify;
+pub mod autodiff;
+pub mod optim;
 
 pub use dtype::{DType, TensorType};
 pub use graph::{Graph, Input, InputKind, Meta, Node, Output, Phase, Remat, Tags, TypeError, ValueId};
 pub use op::{Attr, BinaryOp, CompareOp, Op, RopeLayout, UnaryOp};
+pub use trace::{Init, ParamSpec, Scope, Tensor, Traced, Tracer};
+pub use verify::{verify, VerifyError};

@@ -1,0 +1,199 @@
+//! The verifier: the invariants every graph must satisfy, checked after construction, parsing and
+//! every pass. It reports the first violation found, naming the node and its module path.
+//!
+//! Checked:
+//! - every value is defined exactly once (graph input or node output), and every operand and
+//!   output refers to a value defined earlier in the schedule (no use before definition);
+//! - input and output names are unique;
+//! - every node's operand count, output count and output types agree with the op's rules
+//!   (`infer::infer_types`);
+//! - phases never go backwards along the schedule (forward, loss, backward, optimizer);
+//! - donation: an output may only donate a `param` or `state` input of the same type, each input
+//!   is donated at most once, a donated input is not itself an output, and nothing reads a donated
+//!   input after the node that writes its replacement (the buffer is overwritten in place).
+
+use crate::graph::{Graph, InputKind, ValueId};
+use crate::infer::infer_types;
+use std::collections::HashSet;
+use std::fmt;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct VerifyError {
+    /// Index of the offending node in schedule order, when a node is at fault.
+    pub node: Option<usize>,
+    pub op: Option<&'static str>,
+    pub module: String,
+    pub message: String,
+}
+
+impl fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.node, self.op) {
+            (Some(i), Some(op)) => {
+                let module = if self.module.is_empty() {
+                    "<root>"
+                } else {
+                    &self.module
+                };
+                write!(f, "node {i} ({op} in `{module}`): {}", self.message)
+            }
+            _ => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+fn graph_error(message: String) -> VerifyError {
+    VerifyError {
+        node: None,
+        op: None,
+        module: String::new(),
+        message,
+    }
+}
+
+/// Checks every invariant listed in the module docs.
+pub fn verify(g: &Graph) -> Result<(), VerifyError> {
+    let n_values = g.values.len();
+    let in_range = |v: ValueId| v.index() < n_values;
+    // defined_at[v] = None: not yet defined; Some(None): graph input; Some(Some(i)): node i.
+    let mut defined_at: Vec<Option<Option<usize>>> = vec![None; n_values];
+
+    let mut names = HashSet::new();
+    for input in &g.inputs {
+        if !names.insert(input.name.as_str()) {
+            return Err(graph_error(format!("input `{}` is declared twice", input.name)));
+        }
+        if !in_range(input.value) {
+            return Err(graph_error(format!("input `{}` refers to a missing value", input.name)));
+        }
+        if defined_at[input.value.index()].is_some() {
+            return Err(graph_error(format!("input `{}` reuses another input's value", input.name)));
+        }
+        defined_at[input.value.index()] = Some(None);
+    }
+
+    let mut last_phase = None;
+    for (i, node) in g.nodes.iter().enumerate() {
+        let err = |message: String| VerifyError {
+            node: Some(i),
+            op: Some(node.op.name()),
+            module: node.meta.module.clone(),
+            message,
+        };
+        for (k, v) in node.inputs.iter().enumerate() {
+            if !in_range(*v) || defined_at[v.index()].is_none() {
+                return Err(err(format!(
+                    "operand {k} is used before it is defined (value {} has no earlier definition)",
+                    v.0
+                )));
+            }
+        }
+        let operand_types: Vec<_> = node.inputs.iter().map(|v| g.ty(*v).clone()).collect();
+        let expected = infer_types(&node.op, &operand_types).map_err(|m| {
+            let shown: Vec<String> = operand_types.iter().map(|t| t.to_string()).collect();
+            err(format!("operands ({}) are refused: {m}", shown.join(", ")))
+        })?;
+        if expected.len() != node.outputs.len() {
+            return Err(err(format!(
+                "has {} output(s), the op produces {}",
+                node.outputs.len(),
+                expected.len()
+            )));
+        }
+        for (k, (v, want)) in node.outputs.iter().zip(&expected).enumerate() {
+            if !in_range(*v) {
+                return Err(err(format!("output {k} refers to a missing value")));
+            }
+            if defined_at[v.index()].is_some() {
+                return Err(err(format!("output {k} (value {}) is defined twice", v.0)));
+            }
+            defined_at[v.index()] = Some(Some(i));
+            let got = g.ty(*v);
+            if got != want {
+                return Err(err(format!("output {k} is declared {got} but the op produces {want}")));
+            }
+        }
+        if let Some(prev) = last_phase {
+            if node.meta.phase < prev {
+                return Err(err(format!(
+                    "phase `{}` comes after a `{}` node; phases must run forward, loss, backward, optimizer",
+                    node.meta.phase.short(),
+                    prev.short()
+                )));
+            }
+        }
+        last_phase = Some(node.meta.phase);
+    }
+
+    verify_outputs(g, &defined_at)
+}
+
+fn verify_outputs(g: &Graph, defined_at: &[Option<Option<usize>>]) -> Result<(), VerifyError> {
+    let mut names = HashSet::new();
+    let mut donated = HashSet::new();
+    let output_values: HashSet<ValueId> = g.outputs.iter().map(|o| o.value).collect();
+    let users = g.users();
+    for out in &g.outputs {
+        if !names.insert(out.name.as_str()) {
+            return Err(graph_error(format!("output `{}` is declared twice", out.name)));
+        }
+        let Some(Some(def)) = defined_at.get(out.value.index()) else {
+            return Err(graph_error(format!("output `{}` refers to an undefined value", out.name)));
+        };
+        let Some(src) = out.donates else { continue };
+        let Some(input) = g.inputs.iter().find(|i| i.value == src) else {
+            return Err(graph_error(format!(
+                "output `{}` donates a value that is not a graph input",
+                out.name
+            )));
+        };
+        if input.kind == InputKind::Data {
+            return Err(graph_error(format!(
+                "output `{}` donates `{}`, a data input; only param and state inputs are donated",
+                out.name, input.name
+            )));
+        }
+        if !donated.insert(src) {
+            return Err(graph_error(format!("input `{}` is donated twice", input.name)));
+        }
+        if g.ty(src) != g.ty(out.value) {
+            return Err(graph_error(format!(
+                "output `{}` ({}) donates `{}` of a different type ({})",
+                out.name,
+                g.ty(out.value),
+                input.name,
+                g.ty(src)
+            )));
+        }
+        if output_values.contains(&src) {
+            return Err(graph_error(format!(
+                "input `{}` is donated to `{}` but is also returned itself",
+                input.name, out.name
+            )));
+        }
+        // The replacement is written by node `def` (graph inputs passed straight through are
+        // caught above); any later read would see the overwritten buffer.
+        if let Some(def) = def {
+            if let Some(&late) = users[src.index()].iter().find(|&&u| u > *def) {
+                let n = &g.nodes[late];
+                return Err(VerifyError {
+                    node: Some(late),
+                    op: Some(n.op.name()),
+                    module: n.meta.module.clone(),
+                    message: format!(
+                        "reads `{}` after node {def} wrote its donated replacement `{}`",
+                        input.name, out.name
+                    ),
+                });
+            }
+        } else {
+            return Err(graph_error(format!(
+                "output `{}` donates `{}` but is itself a graph input",
+                out.name, input.name
+            )));
+        }
+    }
+    Ok(())
+}
