@@ -61,7 +61,12 @@ pub fn grad(g: &mut Graph, loss: ValueId, wrt: &[ValueId]) -> Res<Vec<ValueId>> 
     grad_with(g, loss, wrt, &GradOptions::default())
 }
 
-pub fn grad_with(g: &mut Graph, loss: ValueId, wrt: &[ValueId], opts: &GradOptions<'_>) -> Res<Vec<ValueId>> {
+pub fn grad_with(
+    g: &mut Graph,
+    loss: ValueId,
+    wrt: &[ValueId],
+    opts: &GradOptions<'_>,
+) -> Res<Vec<ValueId>> {
     let loss_ty = g.ty(loss).clone();
     if loss_ty.rank() != 0 || !loss_ty.dtype.is_float() {
         return Err(AutodiffError::LossNotScalar(loss_ty));
@@ -127,7 +132,14 @@ pub fn grad_with(g: &mut Graph, loss: ValueId, wrt: &[ValueId], opts: &GradOptio
                 ..node.meta.clone()
             },
         };
-        let mut in_cots = rule(&mut cx, &node.op, &node.inputs, &node.outputs, &out_cots, &need)?;
+        let mut in_cots = rule(
+            &mut cx,
+            &node.op,
+            &node.inputs,
+            &node.outputs,
+            &out_cots,
+            &need,
+        )?;
         if let Some(hook) = opts.perturb_rule {
             if let Some(factor) = hook(&node.op) {
                 for c in in_cots.iter_mut().flatten() {
@@ -136,7 +148,9 @@ pub fn grad_with(g: &mut Graph, loss: ValueId, wrt: &[ValueId], opts: &GradOptio
             }
         }
         for ((v, c), needed) in node.inputs.iter().zip(in_cots).zip(&need) {
-            let (Some(c), true) = (c, *needed) else { continue };
+            let (Some(c), true) = (c, *needed) else {
+                continue;
+            };
             cot[v.index()] = Some(match cot[v.index()] {
                 None => c,
                 Some(prev) => cx.binary(BinaryOp::Add, prev, c)?,
@@ -399,8 +413,16 @@ fn rule(
                     };
                     let pick_a = cx.push(Op::Compare(c), vec![a, bb])?;
                     (
-                        if need[0] { Some(cx.masked(pick_a, gy, true)?) } else { None },
-                        if need[1] { Some(cx.masked(pick_a, gy, false)?) } else { None },
+                        if need[0] {
+                            Some(cx.masked(pick_a, gy, true)?)
+                        } else {
+                            None
+                        },
+                        if need[1] {
+                            Some(cx.masked(pick_a, gy, false)?)
+                        } else {
+                            None
+                        },
                     )
                 }
                 // d a^b = b a^(b-1) da + a^b log(a) db
@@ -429,8 +451,16 @@ fn rule(
             let c = ins[0];
             Ok(vec![
                 None,
-                if need[1] { Some(cx.masked(c, gy, true)?) } else { None },
-                if need[2] { Some(cx.masked(c, gy, false)?) } else { None },
+                if need[1] {
+                    Some(cx.masked(c, gy, true)?)
+                } else {
+                    None
+                },
+                if need[2] {
+                    Some(cx.masked(c, gy, false)?)
+                } else {
+                    None
+                },
             ])
         }
         Op::Cast { .. } => {
@@ -472,7 +502,13 @@ fn rule(
             if axes.is_empty() {
                 return one(gy);
             }
-            one(cx.push(Op::ReduceSum { axes, keepdim: true }, vec![gy])?)
+            one(cx.push(
+                Op::ReduceSum {
+                    axes,
+                    keepdim: true,
+                },
+                vec![gy],
+            )?)
         }
         // Zero-pad back to the input's extent.
         Op::Slice { axis, start, end } => {
@@ -548,8 +584,18 @@ fn rule(
                     let k = sa[ra - 1];
                     let n = sg[sg.len() - 1];
                     let rows: usize = sa[..ra - 1].iter().product();
-                    let a2 = cx.push(Op::Reshape { shape: vec![rows, k] }, vec![a])?;
-                    let g2 = cx.push(Op::Reshape { shape: vec![rows, n] }, vec![gy])?;
+                    let a2 = cx.push(
+                        Op::Reshape {
+                            shape: vec![rows, k],
+                        },
+                        vec![a],
+                    )?;
+                    let g2 = cx.push(
+                        Op::Reshape {
+                            shape: vec![rows, n],
+                        },
+                        vec![gy],
+                    )?;
                     let at = cx.push(Op::Transpose { perm: vec![1, 0] }, vec![a2])?;
                     Some(cx.push(Op::Matmul, vec![at, g2])?)
                 }
@@ -566,7 +612,9 @@ fn rule(
             ])
         }
         // Linear in the incoming gradient: its adjoint is the row gather.
-        Op::EmbeddingBackward { .. } => Ok(vec![Some(cx.push(Op::Embedding, vec![gy, ins[1]])?), None]),
+        Op::EmbeddingBackward { .. } => {
+            Ok(vec![Some(cx.push(Op::Embedding, vec![gy, ins[1]])?), None])
+        }
         Op::RmsNorm { eps } => {
             let r = cx.push_n(Op::RmsNormBackward { eps: *eps }, vec![ins[0], ins[1], gy])?;
             Ok(vec![Some(r[0]), Some(r[1])])
@@ -628,9 +676,11 @@ fn rule(
             Some(cx.push(Op::CrossEntropyBackward, vec![ins[0], ins[1], gy])?),
             None,
         ]),
-        Op::Compare(_) | Op::Full { .. } | Op::Iota { .. } | Op::RandomUniform { .. } | Op::RandomNormal { .. } => {
-            Ok(vec![None; ins.len()])
-        }
+        Op::Compare(_)
+        | Op::Full { .. }
+        | Op::Iota { .. }
+        | Op::RandomUniform { .. }
+        | Op::RandomNormal { .. } => Ok(vec![None; ins.len()]),
         Op::RmsNormBackward { .. }
         | Op::AttentionBackward { .. }
         | Op::CrossEntropyBackward

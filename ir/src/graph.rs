@@ -227,7 +227,12 @@ impl Graph {
         id
     }
 
-    pub fn add_input(&mut self, name: impl Into<String>, kind: InputKind, ty: TensorType) -> ValueId {
+    pub fn add_input(
+        &mut self,
+        name: impl Into<String>,
+        kind: InputKind,
+        ty: TensorType,
+    ) -> ValueId {
         let value = self.new_value(ty);
         self.inputs.push(Input {
             name: name.into(),
@@ -238,7 +243,12 @@ impl Graph {
     }
 
     /// Appends a node after inferring its output types; refuses operands the op cannot take.
-    pub fn push(&mut self, op: Op, inputs: Vec<ValueId>, meta: Meta) -> Result<Vec<ValueId>, TypeError> {
+    pub fn push(
+        &mut self,
+        op: Op,
+        inputs: Vec<ValueId>,
+        meta: Meta,
+    ) -> Result<Vec<ValueId>, TypeError> {
         let operands: Vec<TensorType> = inputs.iter().map(|v| self.ty(*v).clone()).collect();
         let types = infer_types(&op, &operands).map_err(|message| TypeError {
             op: op.name(),
@@ -257,12 +267,23 @@ impl Graph {
     }
 
     /// Appends a node with a single output.
-    pub fn push1(&mut self, op: Op, inputs: Vec<ValueId>, meta: Meta) -> Result<ValueId, TypeError> {
+    pub fn push1(
+        &mut self,
+        op: Op,
+        inputs: Vec<ValueId>,
+        meta: Meta,
+    ) -> Result<ValueId, TypeError> {
         Ok(self.push(op, inputs, meta)?[0])
     }
 
     /// Appends a node whose output types are given (used by the parser; the verifier checks them).
-    pub fn push_typed(&mut self, op: Op, inputs: Vec<ValueId>, types: Vec<TensorType>, meta: Meta) -> Vec<ValueId> {
+    pub fn push_typed(
+        &mut self,
+        op: Op,
+        inputs: Vec<ValueId>,
+        types: Vec<TensorType>,
+        meta: Meta,
+    ) -> Vec<ValueId> {
         let outputs: Vec<ValueId> = types.into_iter().map(|t| self.new_value(t)).collect();
         self.nodes.push(Node {
             op,
@@ -273,7 +294,12 @@ impl Graph {
         outputs
     }
 
-    pub fn add_output(&mut self, name: impl Into<String>, value: ValueId, donates: Option<ValueId>) {
+    pub fn add_output(
+        &mut self,
+        name: impl Into<String>,
+        value: ValueId,
+        donates: Option<ValueId>,
+    ) {
         self.outputs.push(Output {
             name: name.into(),
             value,
@@ -335,16 +361,17 @@ impl Graph {
         }
         // Values read but never defined stay broken for the verifier to report: give them fresh
         // ids after everything else.
-        let remap = |v: ValueId, map: &mut Vec<Option<ValueId>>, values: &mut Vec<TensorType>| -> ValueId {
-            if let Some(id) = map[v.index()] {
-                id
-            } else {
-                let id = ValueId(values.len() as u32);
-                values.push(self.values[v.index()].clone());
-                map[v.index()] = Some(id);
-                id
-            }
-        };
+        let remap =
+            |v: ValueId, map: &mut Vec<Option<ValueId>>, values: &mut Vec<TensorType>| -> ValueId {
+                if let Some(id) = map[v.index()] {
+                    id
+                } else {
+                    let id = ValueId(values.len() as u32);
+                    values.push(self.values[v.index()].clone());
+                    map[v.index()] = Some(id);
+                    id
+                }
+            };
         let inputs = self
             .inputs
             .iter()
@@ -356,8 +383,16 @@ impl Graph {
             .collect();
         let mut nodes = Vec::with_capacity(self.nodes.len());
         for n in &self.nodes {
-            let ins = n.inputs.iter().map(|v| remap(*v, &mut map, &mut values)).collect();
-            let outs = n.outputs.iter().map(|v| remap(*v, &mut map, &mut values)).collect();
+            let ins = n
+                .inputs
+                .iter()
+                .map(|v| remap(*v, &mut map, &mut values))
+                .collect();
+            let outs = n
+                .outputs
+                .iter()
+                .map(|v| remap(*v, &mut map, &mut values))
+                .collect();
             nodes.push(Node {
                 op: n.op.clone(),
                 inputs: ins,

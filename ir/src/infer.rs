@@ -6,7 +6,9 @@ use crate::op::{Arity, Op};
 
 fn same_type(op: &str, a: &TensorType, b: &TensorType) -> Result<(), String> {
     if a != b {
-        return Err(format!("{op} needs operands of the same type, got {a} and {b}"));
+        return Err(format!(
+            "{op} needs operands of the same type, got {a} and {b}"
+        ));
     }
     Ok(())
 }
@@ -20,7 +22,9 @@ fn need_float(what: &str, t: &TensorType) -> Result<(), String> {
 
 fn need_int(what: &str, t: &TensorType) -> Result<(), String> {
     if !t.dtype.is_int() {
-        return Err(format!("{what} must be an integer tensor (i32 or i64), got {t}"));
+        return Err(format!(
+            "{what} must be an integer tensor (i32 or i64), got {t}"
+        ));
     }
     Ok(())
 }
@@ -144,7 +148,10 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             let mut sorted = perm.clone();
             sorted.sort_unstable();
             if sorted != (0..t.rank()).collect::<Vec<_>>() {
-                return Err(format!("perm {perm:?} is not a permutation of 0..{}", t.rank()));
+                return Err(format!(
+                    "perm {perm:?} is not a permutation of 0..{}",
+                    t.rank()
+                ));
             }
             one(t.with_shape(perm.iter().map(|&p| t.shape[p]).collect::<Vec<_>>()))
         }
@@ -157,7 +164,9 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             }
             for (i, (&from, &to)) in t.shape.iter().zip(shape).enumerate() {
                 if from != to && from != 1 {
-                    return Err(format!("dim {i} has size {from}, which cannot expand to {to}"));
+                    return Err(format!(
+                        "dim {i} has size {from}, which cannot expand to {to}"
+                    ));
                 }
             }
             one(t.with_shape(shape.clone()))
@@ -218,7 +227,9 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
         Op::Matmul => {
             let (a, b) = (&ins[0], &ins[1]);
             if a.dtype != b.dtype || !a.dtype.is_float() {
-                return Err(format!("operands must share a float dtype, got {a} and {b}"));
+                return Err(format!(
+                    "operands must share a float dtype, got {a} and {b}"
+                ));
             }
             if a.rank() < 2 || b.rank() < 2 {
                 return Err(format!("operands must have rank >= 2, got {a} and {b}"));
@@ -269,7 +280,9 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             need_float("the gradient", g)?;
             need_int("the ids", ids)?;
             if g.rank() != ids.rank() + 1 || g.shape[..ids.rank()] != ids.shape[..] {
-                return Err(format!("the gradient {g} must have the ids' shape {ids} plus one trailing dim"));
+                return Err(format!(
+                    "the gradient {g} must have the ids' shape {ids} plus one trailing dim"
+                ));
             }
             one(g.with_shape(vec![*rows, g.shape[g.rank() - 1]]))
         }
@@ -316,7 +329,10 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             let (logits, targets, g) = (&ins[0], &ins[1], &ins[2]);
             check_cross_entropy(logits, targets)?;
             if *g != TensorType::scalar(logits.dtype) {
-                return Err(format!("the loss gradient must be a {} scalar, got {g}", logits.dtype));
+                return Err(format!(
+                    "the loss gradient must be a {} scalar, got {g}",
+                    logits.dtype
+                ));
             }
             one(logits.clone())
         }
@@ -380,8 +396,14 @@ fn check_attention(q: &TensorType, k: &TensorType, v: &TensorType) -> Result<(),
     if k != v {
         return Err(format!("k and v must have the same type, got {k} and {v}"));
     }
-    if k.dtype != q.dtype || k.shape[0] != q.shape[0] || k.shape[2] != q.shape[2] || k.shape[3] != q.shape[3] {
-        return Err(format!("k {k} must match q {q} in batch, sequence and head dim"));
+    if k.dtype != q.dtype
+        || k.shape[0] != q.shape[0]
+        || k.shape[2] != q.shape[2]
+        || k.shape[3] != q.shape[3]
+    {
+        return Err(format!(
+            "k {k} must match q {q} in batch, sequence and head dim"
+        ));
     }
     if k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0 {
         return Err(format!(
@@ -397,7 +419,10 @@ fn check_cross_entropy(logits: &TensorType, targets: &TensorType) -> Result<(), 
     need_rank("the logits ([N, V])", logits, 2)?;
     need_int("the targets", targets)?;
     if targets.shape != [logits.shape[0]] {
-        return Err(format!("the targets must be [{}], got {targets}", logits.shape[0]));
+        return Err(format!(
+            "the targets must be [{}], got {targets}",
+            logits.shape[0]
+        ));
     }
     Ok(())
 }

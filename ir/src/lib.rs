@@ -2,18 +2,23 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the code map and the invariants.
 
+pub mod autodiff;
 pub mod dtype;
 pub mod graph;
 pub mod infer;
 pub mod op;
+pub mod optim;
 pub mod rng;
+pub mod ron_io;
+pub mod stats;
+pub mod text;
 pub mod trace;
 pub mod verify;
-pub mod autodiff;
-pub mod optim;
 
 pub use dtype::{DType, TensorType};
-pub use graph::{Graph, Input, InputKind, Meta, Node, Output, Phase, Remat, Tags, TypeError, ValueId};
+pub use graph::{
+    Graph, Input, InputKind, Meta, Node, Output, Phase, Remat, Tags, TypeError, ValueId,
+};
 pub use op::{Attr, BinaryOp, CompareOp, Op, RopeLayout, UnaryOp};
 pub use trace::{Init, ParamSpec, Scope, Tensor, Traced, Tracer};
 pub use verify::{verify, VerifyError};

@@ -248,7 +248,11 @@ pub enum Op {
     /// Same rank; every dim of `x` is 1 or equal to `shape`'s.
     Expand { shape: Vec<usize> },
     /// `x[..., start..end, ...]` along `axis`.
-    Slice { axis: usize, start: usize, end: usize },
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+    },
     /// Concatenates all inputs along `axis`.
     Concat { axis: usize },
     /// `y[i..] = x[i.. with i_axis = idx[i..]]`; `idx` has x's shape except along `axis`.
@@ -548,7 +552,9 @@ impl Op {
             Attr::Ident(d.name().to_string())
         }
         match self {
-            Op::AddScalar { value } | Op::MulScalar { value } => vec![("value", Attr::Float(*value))],
+            Op::AddScalar { value } | Op::MulScalar { value } => {
+                vec![("value", Attr::Float(*value))]
+            }
             Op::PowScalar { exponent } => vec![("exponent", Attr::Float(*exponent))],
             Op::Cast { dtype } => vec![("dtype", dt(*dtype))],
             Op::ReduceSum { axes, keepdim } | Op::ReduceMax { axes, keepdim } => {

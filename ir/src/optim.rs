@@ -82,7 +82,9 @@ pub enum BuildError {
 impl fmt::Display for BuildError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BuildError::MissingLoss(name) => write!(f, "the traced graph has no output named `{name}`"),
+            BuildError::MissingLoss(name) => {
+                write!(f, "the traced graph has no output named `{name}`")
+            }
             BuildError::Autodiff(e) => write!(f, "autodiff: {e}"),
             BuildError::Type(e) => write!(f, "optimizer: {e}"),
         }
@@ -109,7 +111,11 @@ pub fn state_name(kind: &str, param: &str) -> String {
 }
 
 /// Appends backward and optimizer to a traced forward graph whose output `loss_output` is the loss.
-pub fn build_train_step(traced: Traced, loss_output: &str, cfg: &OptimConfig) -> Result<TrainStep, BuildError> {
+pub fn build_train_step(
+    traced: Traced,
+    loss_output: &str,
+    cfg: &OptimConfig,
+) -> Result<TrainStep, BuildError> {
     let mut g = traced.graph;
     let loss = g
         .output_named(loss_output)
@@ -135,7 +141,8 @@ pub fn build_train_step(traced: Traced, loss_output: &str, cfg: &OptimConfig) ->
     };
 
     let mut new_params = Vec::new();
-    let mut new_states: Vec<Vec<(ValueId, ValueId)>> = vec![Vec::new(); cfg.optimizer.state_names().len()];
+    let mut new_states: Vec<Vec<(ValueId, ValueId)>> =
+        vec![Vec::new(); cfg.optimizer.state_names().len()];
     for (p, gr) in traced.params.iter().zip(&grads) {
         let ty = g.ty(p.value).clone();
         let meta = Meta::new(p.name.clone(), Phase::Optimizer);
@@ -191,7 +198,10 @@ pub fn build_train_step(traced: Traced, loss_output: &str, cfg: &OptimConfig) ->
         .params
         .into_iter()
         .map(|p| {
-            let value = graph.input_named(&p.name).map(|i| i.value).unwrap_or(p.value);
+            let value = graph
+                .input_named(&p.name)
+                .map(|i| i.value)
+                .unwrap_or(p.value);
             ParamSpec { value, ..p }
         })
         .collect();

@@ -107,7 +107,11 @@ impl Tracer {
 
     /// A data input fed every step (tokens, targets).
     pub fn input(&self, name: &str, ty: TensorType) -> Tensor<'_> {
-        let id = self.state.borrow_mut().graph.add_input(name, InputKind::Data, ty);
+        let id = self
+            .state
+            .borrow_mut()
+            .graph
+            .add_input(name, InputKind::Data, ty);
         Tensor { tracer: self, id }
     }
 
@@ -128,8 +132,13 @@ impl Tracer {
     pub fn op(&self, op: Op, inputs: &[Tensor<'_>]) -> Result<Vec<Tensor<'_>>, TypeError> {
         let mut st = self.state.borrow_mut();
         let meta = Meta::new(st.scope.join("."), st.phase);
-        let ids = st.graph.push(op, inputs.iter().map(|t| t.id).collect(), meta)?;
-        Ok(ids.into_iter().map(|id| Tensor { tracer: self, id }).collect())
+        let ids = st
+            .graph
+            .push(op, inputs.iter().map(|t| t.id).collect(), meta)?;
+        Ok(ids
+            .into_iter()
+            .map(|id| Tensor { tracer: self, id })
+            .collect())
     }
 
     fn op1(&self, op: Op, inputs: &[Tensor<'_>]) -> Result<Tensor<'_>, TypeError> {
@@ -150,7 +159,10 @@ impl Tracer {
 
     /// Declares `value` as a graph output.
     pub fn output(&self, name: &str, value: Tensor<'_>) {
-        self.state.borrow_mut().graph.add_output(name, value.id, None);
+        self.state
+            .borrow_mut()
+            .graph
+            .add_output(name, value.id, None);
     }
 
     /// Ends the trace; the graph is renumbered canonically (inputs first).
@@ -316,7 +328,8 @@ impl<'t> Tensor<'t> {
     }
     /// Attention of `self` as queries `[B, Hq, S, D]` over `k`, `v` `[B, Hkv, S, D]`.
     pub fn attention(self, k: Tensor<'t>, v: Tensor<'t>, causal: bool, scale: f64) -> R<'t> {
-        self.tracer.op1(Op::Attention { causal, scale }, &[self, k, v])
+        self.tracer
+            .op1(Op::Attention { causal, scale }, &[self, k, v])
     }
     /// Rows of `self` (an embedding table `[V, D]`) at `ids`.
     pub fn embedding(self, ids: Tensor<'t>) -> R<'t> {
@@ -349,7 +362,13 @@ mod tests {
         assert_eq!(last.meta.module, "layers.3.feed_forward");
         assert_eq!(last.meta.layer, Some(3));
         assert_eq!(t.params[0].name, "layers.3.feed_forward.w1.weight");
-        assert_eq!(t.graph.input_named("layers.3.feed_forward.w1.weight").unwrap().value, t.params[0].value);
+        assert_eq!(
+            t.graph
+                .input_named("layers.3.feed_forward.w1.weight")
+                .unwrap()
+                .value,
+            t.params[0].value
+        );
     }
 
     #[test]
@@ -363,6 +382,9 @@ mod tests {
         let err = x.matmul(w.transpose(&[1, 0]).unwrap()).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("layers.0.attention"), "{msg}");
-        assert!(msg.contains("f32[2,4]") && msg.contains("f32[5,4]"), "{msg}");
+        assert!(
+            msg.contains("f32[2,4]") && msg.contains("f32[5,4]"),
+            "{msg}"
+        );
     }
 }

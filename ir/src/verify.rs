@@ -63,13 +63,22 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
     let mut names = HashSet::new();
     for input in &g.inputs {
         if !names.insert(input.name.as_str()) {
-            return Err(graph_error(format!("input `{}` is declared twice", input.name)));
+            return Err(graph_error(format!(
+                "input `{}` is declared twice",
+                input.name
+            )));
         }
         if !in_range(input.value) {
-            return Err(graph_error(format!("input `{}` refers to a missing value", input.name)));
+            return Err(graph_error(format!(
+                "input `{}` refers to a missing value",
+                input.name
+            )));
         }
         if defined_at[input.value.index()].is_some() {
-            return Err(graph_error(format!("input `{}` reuses another input's value", input.name)));
+            return Err(graph_error(format!(
+                "input `{}` reuses another input's value",
+                input.name
+            )));
         }
         defined_at[input.value.index()] = Some(None);
     }
@@ -112,7 +121,9 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
             defined_at[v.index()] = Some(Some(i));
             let got = g.ty(*v);
             if got != want {
-                return Err(err(format!("output {k} is declared {got} but the op produces {want}")));
+                return Err(err(format!(
+                    "output {k} is declared {got} but the op produces {want}"
+                )));
             }
         }
         if let Some(prev) = last_phase {
@@ -137,10 +148,16 @@ fn verify_outputs(g: &Graph, defined_at: &[Option<Option<usize>>]) -> Result<(),
     let users = g.users();
     for out in &g.outputs {
         if !names.insert(out.name.as_str()) {
-            return Err(graph_error(format!("output `{}` is declared twice", out.name)));
+            return Err(graph_error(format!(
+                "output `{}` is declared twice",
+                out.name
+            )));
         }
         let Some(Some(def)) = defined_at.get(out.value.index()) else {
-            return Err(graph_error(format!("output `{}` refers to an undefined value", out.name)));
+            return Err(graph_error(format!(
+                "output `{}` refers to an undefined value",
+                out.name
+            )));
         };
         let Some(src) = out.donates else { continue };
         let Some(input) = g.inputs.iter().find(|i| i.value == src) else {
@@ -156,7 +173,10 @@ fn verify_outputs(g: &Graph, defined_at: &[Option<Option<usize>>]) -> Result<(),
             )));
         }
         if !donated.insert(src) {
-            return Err(graph_error(format!("input `{}` is donated twice", input.name)));
+            return Err(graph_error(format!(
+                "input `{}` is donated twice",
+                input.name
+            )));
         }
         if g.ty(src) != g.ty(out.value) {
             return Err(graph_error(format!(

@@ -1,0 +1,12 @@
+//! graphtrain: traces a model's whole train step into one dataflow graph and runs it.
+//!
+//! The root package holds the CLI (`cli`), run configuration (`config`), data feeding (`data`)
+//! and the training loop (`trainer`), and re-exports the crates below it. See ARCHITECTURE.md.
+
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod trainer;
+
+pub use graphtrain_ir as ir;
+pub use graphtrain_models as models;

@@ -1,0 +1,246 @@
+//! The training loop: builds the train-step graph once, initializes parameters and optimizer
+//! state, then per step feeds a batch, the learning rate and the step count, runs the graph and
+//! writes every donated output back into the input it replaces.
+
+use crate::data::{batch, DataMode};
+use graphtrain_ir::interp::{self, HostTensor};
+use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
+use graphtrain_ir::{rng, verify, DType, Graph, Init, InputKind, TensorType};
+use graphtrain_models::Llama3Config;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// Stream ids `PARAM_STREAM_BASE + i` initialize parameter `i`, apart from the data stream.
+const PARAM_STREAM_BASE: u64 = 1;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainError(pub String);
+
+impl fmt::Display for TrainError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TrainError {}
+
+fn err(e: impl fmt::Display) -> TrainError {
+    TrainError(e.to_string())
+}
+
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub data: DataMode,
+    pub seed: u64,
+    pub lr: f64,
+    pub optim: OptimConfig,
+}
+
+/// Wall time of each stage that runs before the first step.
+#[derive(Clone, Debug, Default)]
+pub struct BuildTimings {
+    pub trace: Duration,
+    pub autodiff_and_optimizer: Duration,
+    pub verify: Duration,
+}
+
+/// Traces `model` in `dtype`, appends backward and optimizer, and verifies the result.
+pub fn build_step(
+    model: &Llama3Config,
+    dtype: DType,
+    optim: &OptimConfig,
+) -> Result<(TrainStep, BuildTimings), TrainError> {
+    model
+        .validate()
+        .map_err(|e| err(format!("invalid config: {e}")))?;
+    let t0 = Instant::now();
+    let traced = model
+        .trace(dtype)
+        .map_err(|e| err(format!("tracing failed: {e}")))?;
+    let t1 = Instant::now();
+    let step = build_train_step(traced, "loss", optim).map_err(err)?;
+    let t2 = Instant::now();
+    verify(&step.graph)
+        .map_err(|e| err(format!("the train-step graph fails verification: {e}")))?;
+    let t3 = Instant::now();
+    Ok((
+        step,
+        BuildTimings {
+            trace: t1 - t0,
+            autodiff_and_optimizer: t2 - t1,
+            verify: t3 - t2,
+        },
+    ))
+}
+
+/// Initial value of a parameter: N(0, std) from its own stream, or a constant.
+pub fn init_param(ty: &TensorType, init: Init, seed: u64, index: usize) -> HostTensor {
+    let n = ty.numel();
+    let stream = PARAM_STREAM_BASE + index as u64;
+    let data = match init {
+        Init::Normal { std } => (0..n as u64)
+            .map(|i| std * rng::normal(seed, stream, i))
+            .collect(),
+        Init::Ones => vec![1.0; n],
+        Init::Zeros => vec![0.0; n],
+    };
+    HostTensor::rounded(ty.clone(), data)
+}
+
+/// What the trainer feeds into each graph input.
+enum Feed {
+    Tokens,
+    Targets,
+    Lr,
+    Step,
+    /// Parameters and optimizer state: carried from step to step through donation.
+    Carried,
+}
+
+#[derive(Clone, Debug)]
+pub struct StepMetrics {
+    /// 1-based: step N reports the loss of the N-th forward pass, after N-1 updates.
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// Peak bytes of live tensors at graph dtypes, as the executor accounted them.
+    pub peak_bytes: usize,
+    pub seconds: f64,
+    pub tokens: usize,
+}
+
+pub struct Trainer {
+    pub model: Llama3Config,
+    pub graph: Graph,
+    pub timings: BuildTimings,
+    cfg: TrainConfig,
+    feeds: Vec<Feed>,
+    /// Current value of every input; data slots are refilled each step.
+    slots: Vec<HostTensor>,
+    /// For each graph output, the input slot it donates to.
+    donations: Vec<Option<usize>>,
+    loss_output: usize,
+    grad_norm_output: usize,
+    steps_done: u64,
+}
+
+impl Trainer {
+    pub fn new(model: &Llama3Config, cfg: TrainConfig) -> Result<Self, TrainError> {
+        let (step, timings) = build_step(model, DType::F32, &cfg.optim)?;
+        let graph = step.graph;
+        let mut feeds = Vec::with_capacity(graph.inputs.len());
+        let mut slots = Vec::with_capacity(graph.inputs.len());
+        for input in &graph.inputs {
+            let ty = graph.ty(input.value).clone();
+            let feed = match (input.kind, input.name.as_str()) {
+                (InputKind::Data, "tokens") => Feed::Tokens,
+                (InputKind::Data, "targets") => Feed::Targets,
+                (InputKind::Data, "lr") => Feed::Lr,
+                (InputKind::Data, "step") => Feed::Step,
+                (InputKind::Data, other) => {
+                    return Err(err(format!(
+                        "the train step has a data input `{other}` the trainer cannot feed"
+                    )))
+                }
+                (InputKind::Param | InputKind::State, _) => Feed::Carried,
+            };
+            let value = match input.kind {
+                InputKind::Param => {
+                    let (index, spec) = step
+                        .params
+                        .iter()
+                        .enumerate()
+                        .find(|(_, p)| p.name == input.name)
+                        .ok_or_else(|| {
+                            err(format!("parameter `{}` has no init spec", input.name))
+                        })?;
+                    init_param(&ty, spec.init, cfg.seed, index)
+                }
+                _ => HostTensor::zeros(ty),
+            };
+            feeds.push(feed);
+            slots.push(value);
+        }
+        let slot_of = |v| graph.inputs.iter().position(|i| i.value == v);
+        let donations = graph
+            .outputs
+            .iter()
+            .map(|o| o.donates.and_then(slot_of))
+            .collect();
+        let position = |name: &str| {
+            graph
+                .outputs
+                .iter()
+                .position(|o| o.name == name)
+                .ok_or_else(|| err(format!("the train step has no `{name}` output")))
+        };
+        let loss_output = position("loss")?;
+        let grad_norm_output = position("grad_norm")?;
+        Ok(Trainer {
+            model: model.clone(),
+            graph,
+            timings,
+            cfg,
+            feeds,
+            slots,
+            donations,
+            loss_output,
+            grad_norm_output,
+            steps_done: 0,
+        })
+    }
+
+    /// Runs one train step. A non-finite loss stops training with an error naming the step.
+    pub fn step(&mut self) -> Result<StepMetrics, TrainError> {
+        let m = &self.model;
+        let b = batch(
+            self.cfg.data,
+            self.cfg.seed,
+            self.steps_done,
+            m.batch,
+            m.seq_len,
+            m.vocab_size,
+        );
+        let step_no = self.steps_done + 1;
+        for (slot, feed) in self.slots.iter_mut().zip(&self.feeds) {
+            match feed {
+                Feed::Tokens => slot.data = b.tokens.iter().map(|&t| t as f64).collect(),
+                Feed::Targets => slot.data = b.targets.iter().map(|&t| t as f64).collect(),
+                Feed::Lr => *slot = HostTensor::rounded(slot.ty.clone(), vec![self.cfg.lr]),
+                Feed::Step => *slot = HostTensor::rounded(slot.ty.clone(), vec![step_no as f64]),
+                Feed::Carried => {}
+            }
+        }
+        let t0 = Instant::now();
+        let out = interp::run(&self.graph, &self.slots)
+            .map_err(|e| err(format!("step {step_no}: {e}")))?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let loss = out.outputs[self.loss_output].data[0];
+        let grad_norm = out.outputs[self.grad_norm_output].data[0];
+        if !loss.is_finite() {
+            return Err(err(format!(
+                "step {step_no}: loss is {loss} (grad_norm {grad_norm}); stopping before the update is kept"
+            )));
+        }
+        for (value, donation) in out.outputs.into_iter().zip(&self.donations) {
+            if let Some(slot) = donation {
+                self.slots[*slot] = value;
+            }
+        }
+        self.steps_done = step_no;
+        Ok(StepMetrics {
+            step: step_no,
+            loss,
+            grad_norm,
+            peak_bytes: out.peak_bytes,
+            seconds,
+            tokens: m.batch * m.seq_len,
+        })
+    }
+
+    /// Current value of the input named `name` (a parameter, a state tensor).
+    pub fn input_value(&self, name: &str) -> Option<&HostTensor> {
+        let i = self.graph.inputs.iter().position(|i| i.name == name)?;
+        Some(&self.slots[i])
+    }
+}

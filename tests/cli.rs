@@ -1,0 +1,163 @@
+//! The `graphtrain` binary end to end: the commands README.md shows, and bad input of every kind
+//! giving a clear error (never a panic).
+
+use std::process::{Command, Output};
+
+fn graphtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Fails unless the command failed cleanly with a message containing every `needle`.
+fn assert_clean_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert!(
+        !o.status.success(),
+        "expected failure, got success; stdout:\n{}",
+        stdout(o)
+    );
+    assert!(!err.contains("panicked"), "panic:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr lacks `{n}`:\n{err}");
+    }
+}
+
+fn temp_file(name: &str, body: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("graphtrain-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, body).unwrap();
+    p
+}
+
+#[test]
+fn run_tiny_prints_torchtitan_style_step_lines() {
+    let o = graphtrain(&[
+        "run", "--model", "llama3", "--config", "tiny", "--steps", "3", "--data", "fixed",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let steps: Vec<&str> = out.lines().filter(|l| l.starts_with("step:")).collect();
+    assert_eq!(steps.len(), 3, "{out}");
+    for l in steps {
+        for key in [
+            "loss:",
+            "grad_norm:",
+            "memory:",
+            "tps:",
+            "tflops:",
+            "mfu: n/a",
+        ] {
+            assert!(l.contains(key), "`{key}` missing in `{l}`");
+        }
+    }
+}
+
+#[test]
+fn unknown_config_lists_the_known_ones() {
+    let o = graphtrain(&["run", "--config", "nope"]);
+    assert_clean_error(
+        &o,
+        &["unknown config `nope`", "tiny", "debug", "peer", "8b"],
+    );
+}
+
+#[test]
+fn unknown_model_lists_the_known_ones() {
+    let o = graphtrain(&["trace", "--model", "gpt2", "--config", "tiny"]);
+    assert_clean_error(&o, &["unknown model `gpt2`", "llama3"]);
+}
+
+#[test]
+fn unknown_flag_and_backend_are_refused() {
+    let o = graphtrain(&["run", "--config", "tiny", "--bogus"]);
+    assert_clean_error(&o, &["--bogus"]);
+    assert_eq!(o.status.code(), Some(2));
+    let o = graphtrain(&["run", "--config", "tiny", "--backend", "cuda"]);
+    assert_clean_error(&o, &["cuda", "reference"]);
+}
+
+#[test]
+fn config_show_reads_back_and_a_wrong_field_is_named() {
+    let o = graphtrain(&["config", "show", "tiny"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let good = temp_file("tiny.ron", &stdout(&o));
+    let o = graphtrain(&["trace", "--config", good.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let bad = stdout(&graphtrain(&["config", "show", "tiny"])).replace("n_layers", "n_layer");
+    let bad = temp_file("bad.ron", &bad);
+    let o = graphtrain(&["run", "--config", bad.to_str().unwrap()]);
+    assert_clean_error(&o, &["bad.ron", "n_layer", ":"]);
+
+    let o = graphtrain(&["config", "show", "huge"]);
+    assert_clean_error(&o, &["unknown config `huge`", "405b"]);
+}
+
+const GOOD_GRAPH: &str = "graph g {
+  input %x: f32[2,3]
+  input %w: f32[3,4]
+  %2: f32[2,4] = matmul(%x, %w)  # fwd
+  output y = %2
+}
+";
+
+#[test]
+fn check_accepts_a_valid_graph_file() {
+    let p = temp_file("good.gt", GOOD_GRAPH);
+    let o = graphtrain(&["check", p.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("is valid"));
+}
+
+#[test]
+fn bad_graph_files_give_clear_errors() {
+    // Truncated: the closing brace and the output line are gone.
+    let truncated = &GOOD_GRAPH[..GOOD_GRAPH.find("  output").unwrap()];
+    let p = temp_file("truncated.gt", truncated);
+    assert_clean_error(
+        &graphtrain(&["check", p.to_str().unwrap()]),
+        &["truncated.gt", "line"],
+    );
+
+    let p = temp_file("unknown_op.gt", &GOOD_GRAPH.replace("matmul(", "matmull("));
+    assert_clean_error(
+        &graphtrain(&["check", p.to_str().unwrap()]),
+        &["line 4", "unknown op `matmull`", "matmul"],
+    );
+
+    let p = temp_file(
+        "shape.gt",
+        &GOOD_GRAPH.replace("%w: f32[3,4]", "%w: f32[5,4]"),
+    );
+    assert_clean_error(
+        &graphtrain(&["check", p.to_str().unwrap()]),
+        &["node 0", "matmul", "3 vs 5"],
+    );
+
+    let p = temp_file(
+        "use_before_def.gt",
+        &GOOD_GRAPH.replace("matmul(%x, %w)", "matmul(%x, %7)"),
+    );
+    assert_clean_error(
+        &graphtrain(&["check", p.to_str().unwrap()]),
+        &["line 4", "%7"],
+    );
+
+    let p = temp_file("missing.gt", "");
+    let missing = p.with_file_name("does-not-exist.gt");
+    assert_clean_error(
+        &graphtrain(&["check", missing.to_str().unwrap()]),
+        &["cannot read"],
+    );
+}
