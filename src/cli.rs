@@ -113,8 +113,10 @@ impl OptimArgs {
         }
         let optimizer = match self.optimizer {
             OptimizerName::Adamw => Optimizer::AdamW {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
                 weight_decay: self.weight_decay,
-                ..Optimizer::adamw_default()
             },
             OptimizerName::Sgd => Optimizer::Sgd {
                 weight_decay: self.weight_decay,

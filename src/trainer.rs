@@ -75,16 +75,14 @@ pub fn build_step(
 
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
 pub fn init_param(ty: &TensorType, init: Init, seed: u64, index: usize) -> HostTensor {
-    let n = ty.numel();
     let stream = PARAM_STREAM_BASE + index as u64;
-    let data = match init {
-        Init::Normal { std } => (0..n as u64)
-            .map(|i| std * rng::normal(seed, stream, i))
-            .collect(),
-        Init::Ones => vec![1.0; n],
-        Init::Zeros => vec![0.0; n],
-    };
-    HostTensor::rounded(ty.clone(), data)
+    match init {
+        Init::Normal { std } => {
+            HostTensor::from_fn(ty.clone(), |i| std * rng::normal(seed, stream, i as u64))
+        }
+        Init::Ones => HostTensor::full(ty.clone(), 1.0),
+        Init::Zeros => HostTensor::zeros(ty.clone()),
+    }
 }
 
 /// What the trainer feeds into each graph input.
@@ -206,8 +204,8 @@ impl Trainer {
             match feed {
                 Feed::Tokens => slot.data = b.tokens.iter().map(|&t| t as f64).collect(),
                 Feed::Targets => slot.data = b.targets.iter().map(|&t| t as f64).collect(),
-                Feed::Lr => *slot = HostTensor::rounded(slot.ty.clone(), vec![self.cfg.lr]),
-                Feed::Step => *slot = HostTensor::rounded(slot.ty.clone(), vec![step_no as f64]),
+                Feed::Lr => *slot = HostTensor::scalar(slot.ty.dtype, self.cfg.lr),
+                Feed::Step => *slot = HostTensor::scalar(slot.ty.dtype, step_no as f64),
                 Feed::Carried => {}
             }
         }

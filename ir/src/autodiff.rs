@@ -52,8 +52,11 @@ type Res<T> = Result<T, AutodiffError>;
 /// rule: it may return a factor that scales the input gradients a rule produces.
 #[derive(Default)]
 pub struct GradOptions<'a> {
-    pub perturb_rule: Option<&'a dyn Fn(&Op) -> Option<f64>>,
+    pub perturb_rule: Option<RuleHook<'a>>,
 }
+
+/// Given the op whose rule just ran, a factor to scale its input gradients by (tests only).
+pub type RuleHook<'a> = &'a dyn Fn(&Op) -> Option<f64>;
 
 /// Appends the backward pass of `loss` to `g` and returns d loss / d `wrt[i]` for each `i`
 /// (zeros where the loss does not depend on it).

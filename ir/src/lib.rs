@@ -3,9 +3,11 @@
 //! See ARCHITECTURE.md at the repository root for the code map and the invariants.
 
 pub mod autodiff;
+pub mod decompose;
 pub mod dtype;
 pub mod graph;
 pub mod infer;
+pub mod interp;
 pub mod op;
 pub mod optim;
 pub mod rng;
@@ -19,6 +21,7 @@ pub use dtype::{DType, TensorType};
 pub use graph::{
     Graph, Input, InputKind, Meta, Node, Output, Phase, Remat, Tags, TypeError, ValueId,
 };
+pub use interp::{HostTensor, InterpError, RunOutput};
 pub use op::{Attr, BinaryOp, CompareOp, Op, RopeLayout, UnaryOp};
 pub use trace::{Init, ParamSpec, Scope, Tensor, Traced, Tracer};
 pub use verify::{verify, VerifyError};

@@ -190,6 +190,9 @@ impl Tracer {
 
 type R<'t> = Result<Tensor<'t>, TypeError>;
 
+// `add`, `mul`, ... return `Result` (a shape error names the module), which the std operator
+// traits cannot express.
+#[allow(clippy::should_implement_trait)]
 impl<'t> Tensor<'t> {
     pub fn ty(&self) -> TensorType {
         self.tracer.state.borrow().graph.ty(self.id).clone()

@@ -377,7 +377,7 @@ fn gradcheck(c: &Case, perturb: Option<f64>) -> Result<usize, String> {
     let mut checked = 0;
     for (k, (input_idx, _)) in wrt.iter().enumerate() {
         let analytic = &base.outputs[1 + k].data;
-        for e in 0..inputs[*input_idx].data.len() {
+        for (e, &a) in analytic.iter().enumerate() {
             let x0 = inputs[*input_idx].data[e];
             inputs[*input_idx].data[e] = x0 + h;
             let up = loss_at(&inputs);
@@ -385,7 +385,6 @@ fn gradcheck(c: &Case, perturb: Option<f64>) -> Result<usize, String> {
             let down = loss_at(&inputs);
             inputs[*input_idx].data[e] = x0;
             let numeric = (up - down) / (2.0 * h);
-            let a = analytic[e];
             let tol = 1e-6 * (1.0 + numeric.abs().max(a.abs()));
             if (numeric - a).abs() > tol {
                 return Err(format!(

@@ -2,7 +2,9 @@
 //! RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU → residual, then a
 //! final RMSNorm, the output head and the mean cross-entropy loss.
 
-use graphtrain_ir::{DType, Init, Phase, RopeLayout, TensorType, Traced, Tracer, TypeError};
+use graphtrain_ir::{
+    DType, Init, Phase, RopeLayout, Tensor, TensorType, Traced, Tracer, TypeError,
+};
 use serde::{Deserialize, Serialize};
 
 /// Every field a Llama 3 run needs. RON files given to `--config` hold exactly these fields.
@@ -211,10 +213,8 @@ impl Llama3Config {
             };
             let attn = {
                 let _m = tr.scope("attention");
-                let proj = |name: &str, heads: usize| -> Result<_, TypeError> {
-                    let _p = tr.scope(name);
-                    let w = tr.param("weight", t(&[heads * hd, d]), init);
-                    x.linear(w)?.reshape(&[b, s, heads, hd])
+                let proj = |name: &str, heads: usize| {
+                    linear(&tr, name, x, t(&[heads * hd, d]))?.reshape(&[b, s, heads, hd])
                 };
                 let q = proj("wq", hq)?;
                 let k = proj("wk", hkv)?;
@@ -228,9 +228,7 @@ impl Llama3Config {
                 let v = v.transpose(&[0, 2, 1, 3])?;
                 let o = q.attention(k, v, true, 1.0 / (hd as f64).sqrt())?;
                 let o = o.transpose(&[0, 2, 1, 3])?.reshape(&[b, s, d])?;
-                let _p = tr.scope("wo");
-                let wo = tr.param("weight", t(&[d, hq * hd]), init);
-                o.linear(wo)?
+                linear(&tr, "wo", o, t(&[d, hq * hd]))?
             };
             h = h.add(attn)?;
             let x = {
@@ -240,18 +238,9 @@ impl Llama3Config {
             };
             let ffn = {
                 let _m = tr.scope("feed_forward");
-                let w = |name: &str, shape: &[usize]| {
-                    let _p = tr.scope(name);
-                    tr.param("weight", t(shape), init)
-                };
-                let (w1, w3, w2) = (
-                    w("w1", &[self.ffn_hidden, d]),
-                    w("w3", &[self.ffn_hidden, d]),
-                    w("w2", &[d, self.ffn_hidden]),
-                );
-                let gate = x.linear(w1)?.silu()?;
-                let up = x.linear(w3)?;
-                gate.mul(up)?.linear(w2)?
+                let gate = linear(&tr, "w1", x, t(&[self.ffn_hidden, d]))?.silu()?;
+                let up = linear(&tr, "w3", x, t(&[self.ffn_hidden, d]))?;
+                linear(&tr, "w2", gate.mul(up)?, t(&[d, self.ffn_hidden]))?
             };
             h = h.add(ffn)?;
         }
@@ -271,13 +260,22 @@ impl Llama3Config {
             h.linear(head)?
         };
         tr.set_phase(Phase::Loss);
-        let loss = {
-            let _m = tr.scope("loss");
-            let logits = logits.reshape(&[b * s, self.vocab_size])?;
-            let targets = targets.reshape(&[b * s])?;
-            logits.cross_entropy(targets)?
-        };
+        let logits = logits.reshape(&[b * s, self.vocab_size])?;
+        let loss = logits.cross_entropy(targets.reshape(&[b * s])?)?;
         tr.output("loss", loss);
         Ok(tr.finish())
     }
+}
+
+/// A bias-free linear layer in scope `name`: `x @ weightᵀ` with a new N(0, 0.02) weight
+/// `[out, in]` (torch layout).
+fn linear<'t>(
+    tr: &'t Tracer,
+    name: &str,
+    x: Tensor<'t>,
+    weight: TensorType,
+) -> Result<Tensor<'t>, TypeError> {
+    let _scope = tr.scope(name);
+    let w = tr.param("weight", weight, Init::Normal { std: 0.02 });
+    x.linear(w)
 }
