@@ -1,0 +1,24 @@
+//! graphtrain's passes: the pass ABI (`Pass`), the pass manager (`Pipeline`), the registry,
+//! the snapshot-test helper (`testing`), and every pass, one file each with its contract at the
+//! top and its snapshot cases beside it.
+
+pub mod pass;
+pub mod pipeline;
+pub mod registry;
+pub mod rewrite;
+pub mod testing;
+
+pub mod canonicalize;
+pub mod cse;
+pub mod dce;
+
+pub use pass::{Decline, Pass, PassError, PassReport, Tier};
+pub use pipeline::{PassRecord, PassSpec, Pipeline, PipelineError, PipelineSpec, DEFAULT_PIPELINE};
+pub use registry::{PassInfo, Registry};
+
+/// Registers every built-in pass.
+pub(crate) fn register_builtin(r: &mut Registry) {
+    canonicalize::register(r);
+    cse::register(r);
+    dce::register(r);
+}

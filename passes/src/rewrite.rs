@@ -1,0 +1,70 @@
+//! Small shared machinery for passes that rebuild a graph: a value substitution and a rebuild
+//! that drops nodes and renumbers canonically.
+
+use graphtrain_ir::{Graph, Node, ValueId};
+
+/// Replace-all-uses records: `get(v)` follows `v -> w -> ...` to the final replacement.
+#[derive(Clone, Debug)]
+pub struct Substitution {
+    to: Vec<ValueId>,
+}
+
+impl Substitution {
+    pub fn new(g: &Graph) -> Self {
+        Substitution {
+            to: (0..g.values.len() as u32).map(ValueId).collect(),
+        }
+    }
+
+    /// Every later use of `from` reads `to` instead.
+    pub fn set(&mut self, from: ValueId, to: ValueId) {
+        self.to[from.index()] = to;
+    }
+
+    pub fn get(&self, mut v: ValueId) -> ValueId {
+        while self.to[v.index()] != v {
+            v = self.to[v.index()];
+        }
+        v
+    }
+
+    pub fn is_identity(&self) -> bool {
+        self.to.iter().enumerate().all(|(i, v)| v.index() == i)
+    }
+}
+
+/// A copy of `g` keeping the nodes where `keep` is true (in order), with `nodes` replacing the
+/// original node bodies and every operand and output passed through `subst`; canonically numbered.
+pub fn rebuild(g: &Graph, nodes: Vec<Node>, keep: &[bool], subst: &Substitution) -> Graph {
+    let mut out = g.clone();
+    out.nodes = nodes
+        .into_iter()
+        .zip(keep)
+        .filter(|(_, k)| **k)
+        .map(|(mut n, _)| {
+            for v in &mut n.inputs {
+                *v = subst.get(*v);
+            }
+            n
+        })
+        .collect();
+    for o in &mut out.outputs {
+        o.value = subst.get(o.value);
+    }
+    out.canonical()
+}
+
+/// Counts per op name of the nodes where `mask` is true, as `name ×n` text.
+pub fn op_counts(g: &Graph, mask: impl Fn(usize) -> bool) -> String {
+    let mut counts = std::collections::BTreeMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if mask(i) {
+            *counts.entry(n.op.name()).or_insert(0usize) += 1;
+        }
+    }
+    counts
+        .iter()
+        .map(|(k, v)| format!("{k} ×{v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
