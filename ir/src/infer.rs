@@ -102,6 +102,7 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             one(ins[1].clone())
         }
         Op::Cast { dtype } => one(ins[0].with_dtype(*dtype)),
+        Op::Offload | Op::Reload => one(ins[0].clone()),
         Op::ReduceSum { axes, keepdim } | Op::ReduceMax { axes, keepdim } => {
             let t = &ins[0];
             if t.dtype == DType::Bool {

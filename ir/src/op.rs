@@ -233,6 +233,10 @@ pub enum Op {
     PowScalar { exponent: f64 },
     /// Converts the element type.
     Cast { dtype: DType },
+    /// Identity on values; the buffer moves to host memory (placed by the `offload` pass).
+    Offload,
+    /// Identity on values; brings an offloaded buffer back to the device.
+    Reload,
 
     // ---- reductions
     /// Sum over `axes`; `keepdim` keeps them as size 1.
@@ -385,6 +389,8 @@ impl Op {
             Op::MulScalar { .. } => "mul_scalar",
             Op::PowScalar { .. } => "pow_scalar",
             Op::Cast { .. } => "cast",
+            Op::Offload => "offload",
+            Op::Reload => "reload",
             Op::ReduceSum { .. } => "reduce_sum",
             Op::ReduceMax { .. } => "reduce_max",
             Op::Reshape { .. } => "reshape",
@@ -427,6 +433,8 @@ impl Op {
             "mul_scalar",
             "pow_scalar",
             "cast",
+            "offload",
+            "reload",
             "reduce_sum",
             "reduce_max",
             "reshape",
@@ -466,6 +474,8 @@ impl Op {
             | Op::MulScalar { .. }
             | Op::PowScalar { .. }
             | Op::Cast { .. }
+            | Op::Offload
+            | Op::Reload
             | Op::ReduceSum { .. }
             | Op::ReduceMax { .. }
             | Op::Reshape { .. }
@@ -632,6 +642,8 @@ impl Op {
             | Op::Compare(_)
             | Op::Select
             | Op::Matmul
+            | Op::Offload
+            | Op::Reload
             | Op::Embedding
             | Op::CrossEntropy
             | Op::CrossEntropyBackward => Vec::new(),
@@ -688,6 +700,8 @@ impl Op {
                 axis: a.usize("axis")?,
             },
             "matmul" => Op::Matmul,
+            "offload" => Op::Offload,
+            "reload" => Op::Reload,
             "full" => Op::Full {
                 value: a.float("value")?,
                 shape: a.usizes("shape")?,

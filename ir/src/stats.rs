@@ -50,7 +50,7 @@ pub fn node_flops(g: &Graph, node: &crate::graph::Node) -> f64 {
         | Op::Expand { .. }
         | Op::Slice { .. }
         | Op::Concat { .. } => 0.0,
-        Op::Full { .. } | Op::Iota { .. } => 0.0,
+        Op::Full { .. } | Op::Iota { .. } | Op::Offload | Op::Reload => 0.0,
         Op::Embedding | Op::Gather { .. } => 0.0,
         _ => node
             .inputs

@@ -103,6 +103,8 @@ fn all_cases() -> Vec<Case> {
         Op::PowScalar { exponent: 2.5 },
     ));
     cases.push(case("cast", &[(t(&[2, 3]), Normal)], Op::Cast { dtype: F }));
+    cases.push(case("offload", &[(t(&[2, 3]), Normal)], Op::Offload));
+    cases.push(case("reload", &[(t(&[2, 3]), Normal)], Op::Reload));
     cases.push(case(
         "reduce_sum",
         &[(t(&[2, 3, 4]), Normal)],
