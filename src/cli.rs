@@ -7,10 +7,13 @@ use crate::trainer::{build_step, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
-use graphtrain_ir::{text, verify, DType, Phase};
+use graphtrain_ir::{text, verify, DType, Graph, Phase};
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
+use graphtrain_passes::{
+    testing, PassRecord, Pipeline, PipelineSpec, Registry, Tier, DEFAULT_PIPELINE,
+};
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -40,6 +43,74 @@ pub enum Command {
     /// Model configurations.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Graph passes: list them, explain one, apply a pipeline to a graph file.
+    #[command(subcommand)]
+    Passes(PassesCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PassesCommand {
+    /// List every registered pass with its tier and a one-line summary.
+    List,
+    /// Print a pass's contract: what it changes, what it guarantees, when it declines.
+    Explain {
+        /// Pass name.
+        name: String,
+    },
+    /// Apply passes to a graph file and print the result (text format) and each pass's report.
+    Apply {
+        /// A pass to run, `NAME` or `NAME=OPTION`; repeat for a pipeline (run in order).
+        #[arg(long = "pass", required = true)]
+        passes: Vec<String>,
+        /// Graph file: `.ron` is read as RON, anything else as the text format.
+        file: PathBuf,
+        /// Write the rewritten graph here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Also run both graphs on seeded random inputs through the reference interpreter and
+        /// compare (bitwise for tier-1 pipelines, within tolerance for tier 2).
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+/// How the pass pipeline is chosen; shared by `trace` and `run`.
+#[derive(clap::Args, Debug)]
+pub struct PassArgs {
+    /// Pass pipeline: comma-separated names, each `NAME` or `NAME=OPTION`, run in order.
+    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce); `none` runs no pass.
+    /// `graphtrain passes list` shows the passes.
+    #[arg(long, default_value = "default")]
+    pub passes: String,
+    /// Read the pipeline from a RON file instead of --passes:
+    /// `(passes: [(name: "cse"), (name: "ac", option: Some("full"))])`.
+    #[arg(long, conflicts_with = "passes")]
+    pub pipeline: Option<PathBuf>,
+    /// Remove a pass from the pipeline (repeatable).
+    #[arg(long = "disable-pass")]
+    pub disable_pass: Vec<String>,
+    /// Write the graph text before and after every pass into this directory.
+    #[arg(long)]
+    pub dump_dir: Option<PathBuf>,
+    /// Run the verifier after every pass (always on in debug builds).
+    #[arg(long)]
+    pub verify_each: bool,
+}
+
+impl PassArgs {
+    fn pipeline(&self, registry: &Registry) -> Result<Pipeline, String> {
+        let mut spec = match &self.pipeline {
+            Some(path) => PipelineSpec::from_ron_file(path)?,
+            None => PipelineSpec::parse_list(&self.passes)?,
+        };
+        for name in &self.disable_pass {
+            spec.disable(name, registry)?;
+        }
+        let mut pipeline = spec.build(registry)?;
+        pipeline.verify_each |= self.verify_each;
+        pipeline.dump_dir = self.dump_dir.clone();
+        Ok(pipeline)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -81,6 +152,8 @@ pub struct TraceArgs {
     pub format: Option<GraphFormat>,
     #[command(flatten)]
     pub optim: OptimArgs,
+    #[command(flatten)]
+    pub passes: PassArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -151,10 +224,23 @@ pub struct RunArgs {
     pub lr: f64,
     #[command(flatten)]
     pub optim: OptimArgs,
+    #[command(flatten)]
+    pub passes: PassArgs,
 }
 
-/// Parses `args` (program name first), runs the command, prints errors, returns the exit code.
+/// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
+/// returns the exit code.
 pub fn main<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    main_with(args, Registry::builtin())
+}
+
+/// `main` with a caller-supplied pass registry: how an out-of-tree pass plugin ships its own
+/// `graphtrain` binary (see examples/plugin-pass).
+pub fn main_with<I, T>(args: I, registry: Registry) -> ExitCode
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -174,7 +260,7 @@ where
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .try_init();
-    match run_command(cli.command) {
+    match run_command(cli.command, &registry) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -184,10 +270,11 @@ where
 }
 
 /// Runs one parsed command.
-pub fn run_command(command: Command) -> Result<(), String> {
+pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> {
     match command {
-        Command::Trace(a) => trace(a),
-        Command::Run(a) => run(a),
+        Command::Trace(a) => trace(a, registry),
+        Command::Run(a) => run(a, registry),
+        Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
         Command::Config(ConfigCommand::Show { name }) => {
             let cfg = Llama3Config::builtin(&name).ok_or_else(|| {
@@ -238,13 +325,16 @@ fn gib(bytes: usize) -> String {
     }
 }
 
-fn trace(a: TraceArgs) -> Result<(), String> {
+fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     let cfg = model_config(&a.model)?;
     let optim = a.optim.config()?;
+    let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
-    let (step, times) = build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?;
+    let built = build_step(&cfg, DType::F32, &optim, &pipeline).map_err(|e| e.to_string())?;
     let total = t0.elapsed();
-    let g = &step.graph;
+    let times = &built.timings;
+    print_pass_records(&built.passes);
+    let g = &built.step.graph;
     let s = GraphStats::of(g);
     let tokens = (cfg.batch * cfg.seq_len) as f64;
     println!(
@@ -290,10 +380,11 @@ fn trace(a: TraceArgs) -> Result<(), String> {
         cfg.seq_len
     );
     println!(
-        "time: trace {:.3}s, autodiff + optimizer {:.3}s, verify {:.3}s, total {:.3}s",
+        "time: trace {:.3}s, autodiff + optimizer {:.3}s, verify {:.3}s, passes {:.3}s, total {:.3}s",
         times.trace.as_secs_f64(),
         times.autodiff_and_optimizer.as_secs_f64(),
         times.verify.as_secs_f64(),
+        times.passes.as_secs_f64(),
         total.as_secs_f64()
     );
     if let Some(out) = a.out {
@@ -314,12 +405,13 @@ fn trace(a: TraceArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn run(a: RunArgs) -> Result<(), String> {
+fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let cfg = model_config(&a.model)?;
     if !(a.lr > 0.0 && a.lr.is_finite()) {
         return Err(format!("--lr must be a positive number, got {}", a.lr));
     }
     let optim = a.optim.config()?;
+    let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
     let mut trainer = Trainer::new(
         &cfg,
@@ -329,8 +421,10 @@ fn run(a: RunArgs) -> Result<(), String> {
             lr: a.lr,
             optim,
         },
+        &pipeline,
     )
     .map_err(|e| e.to_string())?;
+    print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
     println!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
@@ -361,8 +455,9 @@ fn run(a: RunArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn check(file: PathBuf) -> Result<(), String> {
-    let src = std::fs::read_to_string(&file)
+/// Reads and verifies a graph file: `.ron` as RON, anything else as the text format.
+fn read_graph(file: &Path) -> Result<Graph, String> {
+    let src = std::fs::read_to_string(file)
         .map_err(|e| format!("cannot read `{}`: {e}", file.display()))?;
     let g = if file.extension().is_some_and(|e| e == "ron") {
         graphtrain_ir::ron_io::from_ron(&src).map_err(|e| format!("{}: {e}", file.display()))?
@@ -370,6 +465,81 @@ fn check(file: PathBuf) -> Result<(), String> {
         text::parse(&src).map_err(|e| format!("{}: {e}", file.display()))?
     };
     verify(&g).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(g)
+}
+
+/// One line per pass: time, node-count diff, what changed.
+fn print_pass_records(records: &[PassRecord]) {
+    for r in records {
+        println!("pass {r}");
+    }
+}
+
+fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
+    match c {
+        PassesCommand::List => {
+            for info in registry.infos() {
+                let option = info
+                    .option_help
+                    .map(|h| format!(" [={h}]"))
+                    .unwrap_or_default();
+                let tier = match info.tier {
+                    Tier::Preserving => "tier 1",
+                    Tier::Changing => "tier 2",
+                };
+                println!("{:<14} {tier}  {}{option}", info.name, info.summary);
+            }
+            println!("default pipeline: {}", DEFAULT_PIPELINE.join(","));
+            Ok(())
+        }
+        PassesCommand::Explain { name } => {
+            registry.require(&name)?;
+            let info = registry.info(&name).expect("required above");
+            println!("{} ({})\n", info.name, info.tier.label());
+            println!("{}", info.contract);
+            if let Some(h) = info.option_help {
+                println!("\noptions: {}={h}", info.name);
+            }
+            Ok(())
+        }
+        PassesCommand::Apply {
+            passes,
+            file,
+            out,
+            check,
+        } => {
+            let g = read_graph(&file)?;
+            let spec = PipelineSpec::parse_list(&passes.join(","))?;
+            let mut pipeline = spec.build(registry)?;
+            pipeline.verify_each = true;
+            let (after, records) = pipeline.run(&g).map_err(|e| e.to_string())?;
+            for r in &records {
+                eprintln!("pass {r}");
+                for line in r.report.to_string().lines() {
+                    eprintln!("  {line}");
+                }
+            }
+            if check {
+                testing::compare_numerics(&g, &after, pipeline.tier(), 3)
+                    .map_err(|e| format!("numerics check failed: {e}"))?;
+                eprintln!(
+                    "numerics: identical outputs on 3 seeded input sets ({})",
+                    pipeline.tier().label()
+                );
+            }
+            let body = text::print(&after);
+            match out {
+                Some(path) => std::fs::write(&path, body)
+                    .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?,
+                None => print!("{body}"),
+            }
+            Ok(())
+        }
+    }
+}
+
+fn check(file: PathBuf) -> Result<(), String> {
+    let g = read_graph(&file)?;
     let s = GraphStats::of(&g);
     println!(
         "{}: graph `{}` is valid: {} inputs, {} nodes, {} outputs, {:.4} GFLOP",

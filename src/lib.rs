@@ -6,7 +6,9 @@
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod gate;
 pub mod trainer;
 
 pub use graphtrain_ir as ir;
 pub use graphtrain_models as models;
+pub use graphtrain_passes as passes;

@@ -7,6 +7,7 @@ use graphtrain_ir::interp::{self, HostTensor};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{rng, verify, DType, Graph, Init, InputKind, TensorType};
 use graphtrain_models::Llama3Config;
+use graphtrain_passes::{PassRecord, Pipeline};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -42,14 +43,23 @@ pub struct BuildTimings {
     pub trace: Duration,
     pub autodiff_and_optimizer: Duration,
     pub verify: Duration,
+    pub passes: Duration,
 }
 
-/// Traces `model` in `dtype`, appends backward and optimizer, and verifies the result.
+/// A built train step: the graph after the pass pipeline, and what it took to get there.
+pub struct Built {
+    pub step: TrainStep,
+    pub timings: BuildTimings,
+    pub passes: Vec<PassRecord>,
+}
+
+/// Traces `model` in `dtype`, appends backward and optimizer, verifies, then runs `pipeline`.
 pub fn build_step(
     model: &Llama3Config,
     dtype: DType,
     optim: &OptimConfig,
-) -> Result<(TrainStep, BuildTimings), TrainError> {
+    pipeline: &Pipeline,
+) -> Result<Built, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
@@ -63,14 +73,21 @@ pub fn build_step(
     verify(&step.graph)
         .map_err(|e| err(format!("the train-step graph fails verification: {e}")))?;
     let t3 = Instant::now();
-    Ok((
-        step,
-        BuildTimings {
+    let (graph, passes) = pipeline.run(&step.graph).map_err(err)?;
+    let t4 = Instant::now();
+    Ok(Built {
+        step: TrainStep {
+            graph,
+            params: step.params,
+        },
+        timings: BuildTimings {
             trace: t1 - t0,
             autodiff_and_optimizer: t2 - t1,
             verify: t3 - t2,
+            passes: t4 - t3,
         },
-    ))
+        passes,
+    })
 }
 
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
@@ -111,6 +128,8 @@ pub struct Trainer {
     pub model: Llama3Config,
     pub graph: Graph,
     pub timings: BuildTimings,
+    /// What each pass of the pipeline did.
+    pub passes: Vec<PassRecord>,
     cfg: TrainConfig,
     feeds: Vec<Feed>,
     /// Current value of every input; data slots are refilled each step.
@@ -123,8 +142,17 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    pub fn new(model: &Llama3Config, cfg: TrainConfig) -> Result<Self, TrainError> {
-        let (step, timings) = build_step(model, DType::F32, &cfg.optim)?;
+    /// Builds the step for `model`, runs `pipeline` on it, and initializes parameters and state.
+    pub fn new(
+        model: &Llama3Config,
+        cfg: TrainConfig,
+        pipeline: &Pipeline,
+    ) -> Result<Self, TrainError> {
+        let Built {
+            step,
+            timings,
+            passes,
+        } = build_step(model, DType::F32, &cfg.optim, pipeline)?;
         let graph = step.graph;
         let mut feeds = Vec::with_capacity(graph.inputs.len());
         let mut slots = Vec::with_capacity(graph.inputs.len());
@@ -178,6 +206,7 @@ impl Trainer {
             model: model.clone(),
             graph,
             timings,
+            passes,
             cfg,
             feeds,
             slots,

@@ -4,6 +4,7 @@
 use graphtrain::data::DataMode;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::models::Llama3Config;
+use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
 
 fn trainer(data: DataMode, lr: f64) -> Trainer {
@@ -16,6 +17,7 @@ fn trainer(data: DataMode, lr: f64) -> Trainer {
             lr,
             optim: OptimConfig::default(),
         },
+        &Pipeline::new(Vec::new()),
     )
     .unwrap()
 }

@@ -428,12 +428,14 @@ impl<'a> Line<'a> {
                 "stream" => meta.tags.stream = Some(number("a stream index")?),
                 "region" => meta.tags.region = Some(number("a region index")?),
                 "fuse" => meta.tags.fusion = Some(number("a fusion group index")?),
-                _ => return Err(self.error(
-                    col,
-                    format!(
+                _ => {
+                    return Err(self.error(
+                        col,
+                        format!(
                         "unknown tag `{key}` (known: layer, remat, bucket, stream, region, fuse)"
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(meta)
