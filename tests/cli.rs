@@ -161,3 +161,146 @@ fn bad_graph_files_give_clear_errors() {
         &["cannot read"],
     );
 }
+
+#[test]
+fn passes_list_and_explain() {
+    let o = graphtrain(&["passes", "list"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for name in [
+        "canonicalize",
+        "cse",
+        "dce",
+        "default pipeline: canonicalize,cse,dce",
+    ] {
+        assert!(out.contains(name), "`{name}` missing:\n{out}");
+    }
+    let o = graphtrain(&["passes", "explain", "cse"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("tier 1"));
+    assert_clean_error(
+        &graphtrain(&["passes", "explain", "nope"]),
+        &["unknown pass `nope`", "dce"],
+    );
+}
+
+#[test]
+fn bad_pipelines_give_clear_errors() {
+    assert_clean_error(
+        &graphtrain(&[
+            "run",
+            "--config",
+            "tiny",
+            "--steps",
+            "1",
+            "--passes",
+            "cse,frobnicate",
+        ]),
+        &["unknown pass `frobnicate`", "known passes", "canonicalize"],
+    );
+    assert_clean_error(
+        &graphtrain(&[
+            "run", "--config", "tiny", "--steps", "1", "--passes", "cse=fast",
+        ]),
+        &["pass `cse` takes no option"],
+    );
+    assert_clean_error(
+        &graphtrain(&[
+            "run",
+            "--config",
+            "tiny",
+            "--steps",
+            "1",
+            "--disable-pass",
+            "ac_foo",
+        ]),
+        &["unknown pass `ac_foo`"],
+    );
+    assert_clean_error(
+        &graphtrain(&[
+            "run",
+            "--config",
+            "tiny",
+            "--steps",
+            "1",
+            "--passes",
+            "cse",
+            "--disable-pass",
+            "dce",
+        ]),
+        &["`dce` is not in the pipeline (cse)"],
+    );
+    let p = temp_file("pipeline.ron", "(passes: [(name: \"cse\", optoin: None)])");
+    assert_clean_error(
+        &graphtrain(&[
+            "run",
+            "--config",
+            "tiny",
+            "--steps",
+            "1",
+            "--pipeline",
+            p.to_str().unwrap(),
+        ]),
+        &["pipeline.ron", "1:", "optoin"],
+    );
+}
+
+#[test]
+fn run_with_a_pipeline_file_and_dump_dir() {
+    let p = temp_file(
+        "good-pipeline.ron",
+        "(passes: [(name: \"canonicalize\"), (name: \"dce\")])",
+    );
+    let dump = std::env::temp_dir().join(format!("graphtrain-dump-{}", std::process::id()));
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "1",
+        "--pipeline",
+        p.to_str().unwrap(),
+        "--dump-dir",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("pass canonicalize"), "{}", stdout(&o));
+    for f in ["00-input.gt", "01-canonicalize.gt", "02-dce.gt"] {
+        let text = std::fs::read_to_string(dump.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+        assert!(text.starts_with("graph train_step"), "{f}");
+    }
+}
+
+#[test]
+fn passes_apply_rewrites_and_checks_numerics() {
+    let src = "graph g {
+  input %x: f32[2,3]
+  %1: f32[3,2] = transpose(%x, perm=[1,0])  # fwd
+  %2: f32[2,3] = transpose(%1, perm=[1,0])  # fwd
+  %3: f32[2,3] = exp(%2)  # fwd
+  %4: f32[2,3] = exp(%2)  # fwd
+  %5: f32[2,3] = add(%3, %4)  # fwd
+  output y = %5
+}
+";
+    let p = temp_file("apply.gt", src);
+    let o = graphtrain(&[
+        "passes",
+        "apply",
+        "--pass",
+        "canonicalize",
+        "--pass",
+        "cse",
+        "--pass",
+        "dce",
+        "--check",
+        p.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        !out.contains("transpose") && out.matches("exp(").count() == 1,
+        "{out}"
+    );
+    assert!(stderr(&o).contains("numerics: identical"), "{}", stderr(&o));
+}
