@@ -23,7 +23,16 @@ fn trainer(data: DataMode, lr: f64) -> Trainer {
 }
 
 #[test]
-fn loss_falls_monotonically_on_a_fixed_batch() {
+fn loss_falls_monotonically_at_the_default_learning_rate() {
+    let mut t = trainer(DataMode::Fixed, 1e-3);
+    let losses: Vec<f64> = (0..20).map(|_| t.step().unwrap().loss).collect();
+    for w in losses.windows(2) {
+        assert!(w[1] < w[0], "loss rose: {losses:?}");
+    }
+}
+
+#[test]
+fn loss_falls_monotonically_and_fast_at_a_high_learning_rate() {
     let mut t = trainer(DataMode::Fixed, 1e-2);
     let losses: Vec<f64> = (0..20).map(|_| t.step().unwrap().loss).collect();
     // Uniform prediction over the 64-token vocab gives ln 64 = 4.16 at init.
