@@ -32,3 +32,23 @@ fn default_pipeline_is_bitwise_identical_on_peer() {
     )
     .unwrap();
 }
+
+/// Activation checkpointing and offload are tier 1 too: recomputation is deterministic.
+#[test]
+fn memory_passes_are_bitwise_identical_on_tiny() {
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    for list in [
+        "ac=full,default",
+        "ac=selective,default",
+        "ac=budget:0.5,default",
+        "ac=budget:0.25",
+        "offload=min_bytes:1024;prefetch:2",
+    ] {
+        let mut p = PipelineSpec::parse_list(list)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        p.verify_each = true;
+        check_pipeline(&tiny, &p, 5).unwrap_or_else(|e| panic!("{list}: {e}"));
+    }
+}

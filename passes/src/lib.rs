@@ -8,9 +8,15 @@ pub mod registry;
 pub mod rewrite;
 pub mod testing;
 
+pub mod memory;
+
+pub mod ac;
+pub mod ac_policy;
 pub mod canonicalize;
 pub mod cse;
 pub mod dce;
+pub mod offload;
+pub mod remat;
 
 pub use pass::{Decline, Pass, PassError, PassReport, Tier};
 pub use pipeline::{PassRecord, PassSpec, Pipeline, PipelineError, PipelineSpec, DEFAULT_PIPELINE};
@@ -18,7 +24,11 @@ pub use registry::{PassInfo, Registry};
 
 /// Registers every built-in pass.
 pub(crate) fn register_builtin(r: &mut Registry) {
+    ac::register(r);
+    ac_policy::register(r);
     canonicalize::register(r);
     cse::register(r);
     dce::register(r);
+    offload::register(r);
+    remat::register(r);
 }
