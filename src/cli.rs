@@ -316,6 +316,8 @@ fn model_config(m: &ModelArgs) -> Result<Llama3Config, String> {
     Ok(cfg)
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
 fn gib(bytes: usize) -> String {
     let b = bytes as f64;
     if b >= 1024.0 * 1024.0 * 1024.0 {
@@ -426,6 +428,12 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
+    let predicted = graphtrain_passes::memory::profile(&trainer.graph);
+    println!(
+        "predicted (liveness over the schedule): peak {:.2}MiB, saved activations {:.2}MiB on device",
+        predicted.peak_bytes as f64 / MIB,
+        predicted.saved_device_bytes as f64 / MIB
+    );
     println!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
         a.model.model,
@@ -447,7 +455,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             m.step,
             m.loss,
             m.grad_norm,
-            m.peak_bytes as f64 / (1024.0 * 1024.0),
+            m.peak_bytes as f64 / MIB,
             tps,
             tps * flops_per_token / 1e12
         );
@@ -472,6 +480,15 @@ fn read_graph(file: &Path) -> Result<Graph, String> {
 fn print_pass_records(records: &[PassRecord]) {
     for r in records {
         println!("pass {r}");
+        if !r.report.metrics.is_empty() {
+            let m: Vec<String> = r
+                .report
+                .metrics
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            println!("     {}", m.join(" "));
+        }
     }
 }
 

@@ -4,13 +4,15 @@
 //! node is removed, and its uses read the earlier node's outputs.
 //! Guarantees: tier 1; ops are pure and deterministic, so the earlier result is bitwise the one
 //! the duplicate would compute. The earlier node keeps its own metadata.
-//! Declines: never. Note it can lengthen a value's lifetime (a forward value reused in backward),
-//! which activation-memory passes account for afterwards.
+//! Declines: a backward node tagged `remat=recompute` is a deliberate copy made by activation
+//! checkpointing to shorten a forward value's lifetime; merging it back into the forward original
+//! would undo that, so such copies only merge with each other. Otherwise CSE can lengthen a
+//! value's lifetime (a forward value reused in backward), which memory passes account for.
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
 use crate::rewrite::{op_counts, rebuild, Substitution};
-use graphtrain_ir::{Graph, ValueId};
+use graphtrain_ir::{Graph, Phase, Remat, ValueId};
 use std::collections::HashMap;
 
 pub const INFO: PassInfo = PassInfo {
@@ -42,12 +44,14 @@ impl Pass for Cse {
 
     fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
         let mut subst = Substitution::new(g);
-        let mut seen: HashMap<(String, Vec<ValueId>), usize> = HashMap::new();
+        let mut seen: HashMap<(String, Vec<ValueId>, bool), usize> = HashMap::new();
         let mut keep = vec![true; g.nodes.len()];
         for (i, n) in g.nodes.iter().enumerate() {
             let operands: Vec<ValueId> = n.inputs.iter().map(|v| subst.get(*v)).collect();
             // `Debug` of an op spells every attribute, floats exactly.
-            let key = (format!("{:?}", n.op), operands);
+            let recompute_copy =
+                n.meta.phase >= Phase::Backward && n.meta.tags.remat == Some(Remat::Recompute);
+            let key = (format!("{:?}", n.op), operands, recompute_copy);
             match seen.get(&key) {
                 Some(&first) => {
                     keep[i] = false;
@@ -93,6 +97,23 @@ mod tests {
   %7: f32[3,4] = add(%4, %w)  # bwd
   output y = %6
   output z = %7
+}",
+        );
+        insta::assert_snapshot!(out);
+    }
+
+    #[test]
+    fn recompute_copies_are_not_merged_into_forward_originals() {
+        let out = check(
+            &Cse,
+            "graph g {
+  input %x: f32[4]
+  %1: f32[4] = exp(%x)  # fwd remat=recompute
+  %2: f32[4] = exp(%x)  # bwd remat=recompute
+  %3: f32[4] = exp(%x)  # bwd remat=recompute
+  %4: f32[4] = add(%2, %3)  # bwd
+  output y = %1
+  output z = %4
 }",
         );
         insta::assert_snapshot!(out);
