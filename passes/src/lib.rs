@@ -13,8 +13,10 @@ pub mod memory;
 pub mod ac;
 pub mod ac_policy;
 pub mod canonicalize;
+pub mod capture;
 pub mod cse;
 pub mod dce;
+pub mod fusion;
 pub mod offload;
 pub mod remat;
 
@@ -27,8 +29,10 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     ac::register(r);
     ac_policy::register(r);
     canonicalize::register(r);
+    capture::register(r);
     cse::register(r);
     dce::register(r);
+    fusion::register(r);
     offload::register(r);
     remat::register(r);
 }
