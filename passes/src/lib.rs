@@ -16,6 +16,7 @@ pub mod canonicalize;
 pub mod capture;
 pub mod cse;
 pub mod dce;
+pub mod egraph;
 pub mod fusion;
 pub mod offload;
 pub mod remat;
@@ -32,6 +33,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     capture::register(r);
     cse::register(r);
     dce::register(r);
+    egraph::register(r);
     fusion::register(r);
     offload::register(r);
     remat::register(r);
