@@ -17,6 +17,31 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+/// Writes a line to stdout. A closed pipe (`graphtrain ... | head`) ends the process quietly, as
+/// the default SIGPIPE action would, instead of panicking inside `println!`.
+macro_rules! say {
+    () => { $crate::cli::write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `say!` without the newline.
+macro_rules! say_raw {
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!($($arg)*)) };
+}
+
+#[doc(hidden)]
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "graphtrain",
@@ -283,14 +308,14 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
                     LLAMA3_CONFIGS.join(", ")
                 )
             })?;
-            print!("{}", config_to_ron(&cfg));
-            println!();
+            say_raw!("{}", config_to_ron(&cfg));
+            say!();
             Ok(())
         }
         Command::Config(ConfigCommand::List) => {
             for name in LLAMA3_CONFIGS {
                 let cfg = Llama3Config::builtin(name).expect("listed configs exist");
-                println!(
+                say!(
                     "{name:>6}: dim {} layers {} heads {}/{} kv, vocab {}, ffn {}, batch {} x seq {}, {:.3}B params",
                     cfg.dim,
                     cfg.n_layers,
@@ -339,7 +364,7 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     let g = &built.step.graph;
     let s = GraphStats::of(g);
     let tokens = (cfg.batch * cfg.seq_len) as f64;
-    println!(
+    say!(
         "model {} config {}: {} nodes, {} values, {} params ({:.3}B)",
         a.model.model,
         a.model.config,
@@ -353,26 +378,26 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         .iter()
         .map(|(p, n)| format!("{} {n}", p.short()))
         .collect();
-    println!("nodes per phase: {}", phases.join(", "));
+    say!("nodes per phase: {}", phases.join(", "));
     let ops: Vec<String> = s
         .nodes_per_op
         .iter()
         .map(|(o, n)| format!("{o} {n}"))
         .collect();
-    println!("nodes per op: {}", ops.join(", "));
+    say!("nodes per op: {}", ops.join(", "));
     let fwd: f64 = s
         .flops_per_phase
         .iter()
         .filter(|(p, _)| *p <= Phase::Loss)
         .map(|(_, f)| f)
         .sum();
-    println!(
+    say!(
         "FLOPs per token: {:.4} GFLOP counted in the graph (forward {:.4}), {:.4} GFLOP by 6(N - N_emb) + 12·L·D·T",
         s.flops / tokens / 1e9,
         fwd / tokens / 1e9,
         cfg.flops_per_token() / 1e9
     );
-    println!(
+    say!(
         "memory: params {}, grads {}, optimizer state {}, saved activations {} (batch {} x seq {})",
         gib(s.param_bytes),
         gib(s.grad_bytes),
@@ -381,7 +406,7 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         cfg.batch,
         cfg.seq_len
     );
-    println!(
+    say!(
         "time: trace {:.3}s, autodiff + optimizer {:.3}s, verify {:.3}s, passes {:.3}s, total {:.3}s",
         times.trace.as_secs_f64(),
         times.autodiff_and_optimizer.as_secs_f64(),
@@ -402,7 +427,7 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
             GraphFormat::Ron => graphtrain_ir::ron_io::to_ron(g),
         };
         std::fs::write(&out, body).map_err(|e| format!("cannot write `{}`: {e}", out.display()))?;
-        println!("wrote {}", out.display());
+        say!("wrote {}", out.display());
     }
     Ok(())
 }
@@ -429,12 +454,12 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
     let predicted = graphtrain_passes::memory::profile(&trainer.graph);
-    println!(
+    say!(
         "predicted (liveness over the schedule): peak {:.2}MiB, saved activations {:.2}MiB on device",
         predicted.peak_bytes as f64 / MIB,
         predicted.saved_device_bytes as f64 / MIB
     );
-    println!(
+    say!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
         a.model.model,
         a.model.config,
@@ -450,7 +475,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         let m = trainer.step().map_err(|e| e.to_string())?;
         let tps = m.tokens as f64 / m.seconds;
         // The reference interpreter has no meaningful hardware peak, so MFU is not reported.
-        println!(
+        say!(
             "step: {:>2} loss: {:.4} grad_norm: {:.4} memory: {:.2}MiB tps: {:.0} tflops: {:.4} mfu: n/a",
             m.step,
             m.loss,
@@ -479,7 +504,7 @@ fn read_graph(file: &Path) -> Result<Graph, String> {
 /// One line per pass: time, node-count diff, what changed.
 fn print_pass_records(records: &[PassRecord]) {
     for r in records {
-        println!("pass {r}");
+        say!("pass {r}");
         if !r.report.metrics.is_empty() {
             let m: Vec<String> = r
                 .report
@@ -487,7 +512,7 @@ fn print_pass_records(records: &[PassRecord]) {
                 .iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
-            println!("     {}", m.join(" "));
+            say!("     {}", m.join(" "));
         }
     }
 }
@@ -504,18 +529,18 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
                     Tier::Preserving => "tier 1",
                     Tier::Changing => "tier 2",
                 };
-                println!("{:<14} {tier}  {}{option}", info.name, info.summary);
+                say!("{:<14} {tier}  {}{option}", info.name, info.summary);
             }
-            println!("default pipeline: {}", DEFAULT_PIPELINE.join(","));
+            say!("default pipeline: {}", DEFAULT_PIPELINE.join(","));
             Ok(())
         }
         PassesCommand::Explain { name } => {
             registry.require(&name)?;
             let info = registry.info(&name).expect("required above");
-            println!("{} ({})\n", info.name, info.tier.label());
-            println!("{}", info.contract);
+            say!("{} ({})\n", info.name, info.tier.label());
+            say!("{}", info.contract);
             if let Some(h) = info.option_help {
-                println!("\noptions: {}={h}", info.name);
+                say!("\noptions: {}={h}", info.name);
             }
             Ok(())
         }
@@ -548,7 +573,7 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
             match out {
                 Some(path) => std::fs::write(&path, body)
                     .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?,
-                None => print!("{body}"),
+                None => say_raw!("{body}"),
             }
             Ok(())
         }
@@ -558,7 +583,7 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
 fn check(file: PathBuf) -> Result<(), String> {
     let g = read_graph(&file)?;
     let s = GraphStats::of(&g);
-    println!(
+    say!(
         "{}: graph `{}` is valid: {} inputs, {} nodes, {} outputs, {:.4} GFLOP",
         file.display(),
         g.name,
