@@ -71,3 +71,41 @@ fn a_correct_rewrite_passes() {
         .text
         .contains("add(%x, %y)"));
 }
+
+/// A pass that leaves an ill-typed graph: the pipeline's verifier must name it.
+struct Breaker;
+
+impl Pass for Breaker {
+    fn name(&self) -> &str {
+        "breaker"
+    }
+    fn tier(&self) -> Tier {
+        Tier::Preserving
+    }
+    fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
+        let mut out = g.clone();
+        // Declares an output type the op cannot produce.
+        let v = out.nodes[0].outputs[0];
+        out.values[v.index()] = graphtrain_ir::TensorType::new(graphtrain_ir::DType::F64, [8]);
+        Ok((out, PassReport::default()))
+    }
+}
+
+#[test]
+fn the_pipeline_names_the_pass_that_broke_the_graph() {
+    let g = graphtrain_ir::text::parse(INPUT).unwrap();
+    let registry = graphtrain_passes::Registry::builtin();
+    let mut pipeline = graphtrain_passes::Pipeline::new(vec![
+        registry.build("cse", None).unwrap(),
+        Box::new(Breaker),
+        registry.build("dce", None).unwrap(),
+    ]);
+    pipeline.verify_each = true;
+    let err = pipeline
+        .run(&g)
+        .err()
+        .expect("the broken graph is caught")
+        .to_string();
+    assert!(err.starts_with("pass 2 (`breaker`)"), "{err}");
+    assert!(err.contains("declared f64[8]"), "{err}");
+}
