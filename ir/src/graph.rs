@@ -258,14 +258,7 @@ impl Graph {
             operands,
             message,
         })?;
-        let outputs: Vec<ValueId> = types.into_iter().map(|t| self.new_value(t)).collect();
-        self.nodes.push(Node {
-            op,
-            inputs,
-            outputs: outputs.clone(),
-            meta,
-        });
-        Ok(outputs)
+        Ok(self.push_typed(op, inputs, types, meta))
     }
 
     /// Appends a node with a single output.
