@@ -254,7 +254,9 @@ pub fn decide(g: &Graph, policy: &Policy) -> Decision {
 ///    save the one that removes the most FLOPs per byte it adds. This pulls the result back up
 ///    to the budget when the last greedy move overshot.
 ///
-/// Cost: O(C² · N) for C candidates and N nodes (each trial is a linear plan).
+/// Cost: each trial is a linear plan, O(N). All C candidates are scored once; after a move only
+/// the candidates of the touched layer are scored again, so the total is about
+/// O(C · N · (1 + moves / layers)) instead of O(C² · N).
 ///
 /// Optimality gap: no bound is guaranteed. The exact problem (Checkmate's ILP, a knapsack with
 /// precedence constraints) is NP-hard; the greedy can miss choices that only pay off in
@@ -281,47 +283,75 @@ pub fn solve_budget(g: &Graph, cand: &[bool], frac: f64) -> (Vec<bool>, BudgetPo
         return (cand.to_vec(), point(&floor));
     }
     let producers = g.producers();
+    // Every policy saves the values that leave a layer, so recomputation never reads across a
+    // layer boundary and a move changes the plan only inside the layers of the nodes it tags.
+    // Scores of candidates elsewhere stay exact; only the touched layers are scored again.
+    // (Nodes outside any layer touch everything, conservatively.)
+    let layer = |i: usize| g.nodes[i].meta.layer;
+    let affected = |moved: &[usize], c: usize| {
+        moved
+            .iter()
+            .any(|&i| layer(i).is_none() || layer(i) == layer(c))
+    };
+
+    // Phase 1 scores: (extra flops per freed byte, freed bytes, the move) of candidate `c`.
+    let drop_score = |c: usize, r: &[bool], cur: &RematPlan| -> Option<(f64, usize, Vec<usize>)> {
+        if !cand[c] || r[c] || !g.nodes[c].outputs.iter().any(|o| cur.saved[o.index()]) {
+            return None;
+        }
+        let alone = vec![c];
+        let chain = unsaved_chain(g, &producers, cand, r, cur, c);
+        let moves = if chain.len() > 1 {
+            vec![alone, chain]
+        } else {
+            vec![alone]
+        };
+        let mut best: Option<(f64, usize, Vec<usize>)> = None;
+        for mv in moves {
+            let trial = plan(g, |i| r[i] || mv.contains(&i));
+            let Some(freed) = cur.saved_bytes.checked_sub(trial.saved_bytes) else {
+                continue;
+            };
+            if freed == 0 {
+                continue;
+            }
+            let cost = (trial.recompute_flops - cur.recompute_flops).max(0.0) / freed as f64;
+            if best
+                .as_ref()
+                .is_none_or(|(bc, bf, _)| cost < *bc || (cost == *bc && freed > *bf))
+            {
+                best = Some((cost, freed, mv));
+            }
+        }
+        best
+    };
 
     let mut r = vec![false; n];
     let mut cur = base.clone();
+    let mut scores: Vec<_> = (0..n).map(|c| drop_score(c, &r, &cur)).collect();
     while cur.saved_bytes > budget_bytes {
-        // (extra flops per freed byte, freed bytes, the move)
-        let mut best: Option<(f64, usize, Vec<usize>)> = None;
-        for c in (0..n).filter(|&c| cand[c] && !r[c]) {
-            if !g.nodes[c].outputs.iter().any(|o| cur.saved[o.index()]) {
-                continue;
-            }
-            let alone = vec![c];
-            let chain = unsaved_chain(g, &producers, cand, &r, &cur, c);
-            let moves = if chain.len() > 1 {
-                vec![alone, chain]
-            } else {
-                vec![alone]
+        let mut best: Option<usize> = None;
+        for (c, s) in scores.iter().enumerate() {
+            let Some((cost, freed, _)) = s else { continue };
+            let better = match best.and_then(|b| scores[b].as_ref()) {
+                None => true,
+                Some((bc, bf, _)) => cost < bc || (cost == bc && freed > bf),
             };
-            for mv in moves {
-                let trial = plan(g, |i| r[i] || mv.contains(&i));
-                let Some(freed) = cur.saved_bytes.checked_sub(trial.saved_bytes) else {
-                    continue;
-                };
-                if freed == 0 {
-                    continue;
-                }
-                let cost = (trial.recompute_flops - cur.recompute_flops).max(0.0) / freed as f64;
-                let better = match &best {
-                    None => true,
-                    Some((bc, bf, _)) => cost < *bc || (cost == *bc && freed > *bf),
-                };
-                if better {
-                    best = Some((cost, freed, mv));
-                }
+            if better {
+                best = Some(c);
             }
         }
-        match best {
+        match best.and_then(|c| scores[c].take()) {
             Some((_, _, mv)) => {
-                for i in mv {
+                for &i in &mv {
                     r[i] = true;
                 }
                 cur = plan(g, |i| r[i]);
+                for c in 0..n {
+                    if affected(&mv, c) {
+                        scores[c] = drop_score(c, &r, &cur);
+                    }
+                }
             }
             // No single move frees bytes any more: start the repair from the floor, which fits.
             None => {
@@ -331,16 +361,29 @@ pub fn solve_budget(g: &Graph, cand: &[bool], frac: f64) -> (Vec<bool>, BudgetPo
         }
     }
 
+    // Phase 2 scores: (bytes added, flops removed) by saving recomputed candidate `c` again,
+    // both local to its layer, so they stay valid until that layer changes.
+    let undo_delta = |c: usize, r: &[bool], cur: &RematPlan| -> Option<(i64, f64)> {
+        if !r[c] || !cur.recompute[c] {
+            return None;
+        }
+        let trial = plan(g, |i| r[i] && i != c);
+        Some((
+            trial.saved_bytes as i64 - cur.saved_bytes as i64,
+            cur.recompute_flops - trial.recompute_flops,
+        ))
+    };
+    let mut deltas: Vec<_> = (0..n).map(|c| undo_delta(c, &r, &cur)).collect();
     loop {
         // (flops removed per added byte, the node to save again)
         let mut best: Option<(f64, usize)> = None;
-        for c in (0..n).filter(|&c| r[c] && cur.recompute[c]) {
-            let trial = plan(g, |i| r[i] && i != c);
-            if trial.saved_bytes > budget_bytes || trial.recompute_flops >= cur.recompute_flops {
+        for (c, d) in deltas.iter().enumerate() {
+            let Some((added, removed)) = *d else { continue };
+            let trial_saved = cur.saved_bytes as i64 + added;
+            if trial_saved > budget_bytes as i64 || removed <= 0.0 {
                 continue;
             }
-            let added = trial.saved_bytes.saturating_sub(cur.saved_bytes).max(1);
-            let score = (cur.recompute_flops - trial.recompute_flops) / added as f64;
+            let score = removed / added.max(1) as f64;
             if best.is_none_or(|(b, _)| score > b) {
                 best = Some((score, c));
             }
@@ -348,6 +391,11 @@ pub fn solve_budget(g: &Graph, cand: &[bool], frac: f64) -> (Vec<bool>, BudgetPo
         let Some((_, c)) = best else { break };
         r[c] = false;
         cur = plan(g, |i| r[i]);
+        for k in 0..n {
+            if affected(&[c], k) {
+                deltas[k] = undo_delta(k, &r, &cur);
+            }
+        }
     }
     (r, point(&cur))
 }
