@@ -347,9 +347,9 @@ pub fn solve_budget(g: &Graph, cand: &[bool], frac: f64) -> (Vec<bool>, BudgetPo
                     r[i] = true;
                 }
                 cur = plan(g, |i| r[i]);
-                for c in 0..n {
+                for (c, score) in scores.iter_mut().enumerate() {
                     if affected(&mv, c) {
-                        scores[c] = drop_score(c, &r, &cur);
+                        *score = drop_score(c, &r, &cur);
                     }
                 }
             }
@@ -391,9 +391,9 @@ pub fn solve_budget(g: &Graph, cand: &[bool], frac: f64) -> (Vec<bool>, BudgetPo
         let Some((_, c)) = best else { break };
         r[c] = false;
         cur = plan(g, |i| r[i]);
-        for k in 0..n {
+        for (k, delta) in deltas.iter_mut().enumerate() {
             if affected(&[c], k) {
-                deltas[k] = undo_delta(k, &r, &cur);
+                *delta = undo_delta(k, &r, &cur);
             }
         }
     }
