@@ -103,8 +103,7 @@ fn the_pipeline_names_the_pass_that_broke_the_graph() {
     pipeline.verify_each = true;
     let err = pipeline
         .run(&g)
-        .err()
-        .expect("the broken graph is caught")
+        .expect_err("the broken graph is caught")
         .to_string();
     assert!(err.starts_with("pass 2 (`breaker`)"), "{err}");
     assert!(err.contains("declared f64[8]"), "{err}");
