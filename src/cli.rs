@@ -59,6 +59,11 @@ pub enum Command {
     /// and optionally write the graph.
     Trace(TraceArgs),
     /// Train a model and print one line per step.
+    ///
+    /// Each line reads `step: N loss: X grad_norm: Y memory: Z tps: T tflops: F mfu: M`. `memory`
+    /// is the executor's peak of live tensor bytes at graph dtypes; `tflops` counts
+    /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is n/a on the reference interpreter, which
+    /// has no hardware peak. A non-finite loss stops the run with an error naming the step.
     Run(RunArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
