@@ -23,7 +23,9 @@
 //!   so one iteration can overshoot them; extraction is bounded by work budgets, not the clock.) The report gives the e-graph size, iterations,
 //!   the stop reason, the time, node counts before and after, and how often each rule fired.
 //!
-//! Declines (returns its input unchanged, saying why): when extraction finds no acyclic choice,
+//! Declines (returns its input unchanged, saying why): when the graph already holds activation
+//! checkpointing's recompute copies (the e-graph would merge them back into the forward values
+//! they replace; run `egraph` before `ac`), when extraction finds no acyclic choice,
 //! when the rebuilt graph fails the verifier (a donation read too late, say), or when it is not
 //! smaller than the input: better to keep a known-good schedule than to churn it for nothing.
 //!
@@ -42,7 +44,7 @@ use crate::registry::{PassInfo, Registry};
 use analysis::{GraphAnalysis, EG};
 use egg::{Id, Language, Runner, StopReason};
 use extract::Origin;
-use graphtrain_ir::{verify, Graph};
+use graphtrain_ir::{verify, Graph, Phase, Remat};
 use lang::GNode;
 use rule::Rule;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -196,6 +198,20 @@ impl Pass for Saturate {
             pass: self.name.to_string(),
             message,
         };
+        // Hashconsing would merge activation checkpointing's backward copies back into their
+        // forward originals and silently undo it.
+        if let Some(i) = g.nodes.iter().position(|n| {
+            n.meta.phase >= Phase::Backward && n.meta.tags.remat == Some(Remat::Recompute)
+        }) {
+            let mut report = PassReport::default();
+            report.decline(
+                Some(i),
+                g.nodes[i].meta.module.clone(),
+                "the graph holds remat=recompute copies, which the e-graph would merge back into \
+                 their forward originals; run egraph before ac/remat",
+            );
+            return Ok((g.clone(), report));
+        }
         let start = Instant::now();
         let loaded = load(g).map_err(fail)?;
         let rewrites = self

@@ -455,3 +455,20 @@ fold: (mul_scalar (mul_scalar ?x value=3.0) value=0.1) => (mul_scalar ?x value=0
     .unwrap_err();
     assert!(err.0.contains("tier 1 (numerics-preserving)"), "{err}");
 }
+
+#[test]
+fn declines_after_activation_checkpointing() {
+    let out = crate::testing::check(
+        &Saturate::builtin(Options::default()),
+        "graph g {
+  input %x: f32[4]
+  %1: f32[4] = exp(%x)  # fwd remat=recompute
+  %2: f32[4] = exp(%x)  # bwd remat=recompute
+  %3: f32[4] = mul_scalar(%2, value=1.0)  # bwd
+  output y = %1
+  output z = %3
+}",
+    );
+    assert!(out.starts_with("// no change"), "{out}");
+    assert!(out.contains("run egraph before ac"), "{out}");
+}
