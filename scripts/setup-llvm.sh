@@ -1,0 +1,35 @@
+#!/bin/sh
+# Idempotent setup so that tracel-llvm-bundler (23.1.0-4, used by cubecl-cpu 0.11.x)
+# builds offline against Debian's LLVM 22 instead of downloading a bundle from GitHub.
+# Usage:  sh setup-llvm.sh && export XDG_DATA_HOME=<printed value>
+set -eu
+PKGS="llvm-22-dev libpolly-22-dev libzstd-dev"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing:$missing" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends $missing
+else
+  echo "apt packages already installed" >&2
+fi
+[ -x /usr/lib/llvm-22/bin/llvm-config ] || { echo "missing /usr/lib/llvm-22/bin/llvm-config" >&2; exit 1; }
+
+XDG="${XDG_DATA_HOME:-$HOME/.local/share}"
+DIR="$XDG/tracel/tracel-llvm-23.1.0-4"
+mkdir -p "$DIR/bin"
+: > "$DIR/.tracel-llvm-installed"
+cat > "$DIR/bin/llvm-config.tmp" <<'SH'
+#!/bin/sh
+# Wrapper: Debian LLVM 22, absolute /path/libNAME.so words rewritten to -lNAME
+out=$(/usr/lib/llvm-22/bin/llvm-config "$@") || exit $?
+printf '%s\n' "$out" | sed -E 's#/[^ ]*/lib([A-Za-z0-9_+-]+)\.so#-l\1#g'
+SH
+chmod +x "$DIR/bin/llvm-config.tmp"
+mv -f "$DIR/bin/llvm-config.tmp" "$DIR/bin/llvm-config"
+"$DIR/bin/llvm-config" --version >/dev/null
+echo "LLVM bundle stub ready at $DIR (llvm-config $("$DIR/bin/llvm-config" --version))" >&2
+echo "export XDG_DATA_HOME=$XDG"
