@@ -1,6 +1,7 @@
 //! The `graphtrain` command line. `main` is public so that programs embedding graphtrain (such as
 //! an out-of-tree pass plugin) can reuse the same entry point.
 
+use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
 use crate::data::DataMode;
 use crate::trainer::{build_step, TrainConfig, Trainer};
@@ -240,7 +241,7 @@ pub struct RunArgs {
     /// backends (cpu, wgpu, cuda) arrive with the lowering.
     #[arg(long, default_value = "reference", value_parser = ["reference"])]
     pub backend: String,
-    /// Number of train steps.
+    /// Train until this step (with --resume, steps already done count).
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
     /// Training data: a fresh random batch per step, or the same batch every step.
@@ -256,6 +257,16 @@ pub struct RunArgs {
     pub optim: OptimArgs,
     #[command(flatten)]
     pub passes: PassArgs,
+    /// Save parameters, optimizer state and the step count to this file (atomically) at the end,
+    /// every --checkpoint-every steps, and with the last good state when a step fails.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Also save the checkpoint every N steps (0: only at the end or on failure).
+    #[arg(long, default_value_t = 0, requires = "checkpoint")]
+    pub checkpoint_every: u64,
+    /// Continue from a checkpoint of the same run (same config, seed, data and optimizer).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
 }
 
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
@@ -443,6 +454,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         return Err(format!("--lr must be a positive number, got {}", a.lr));
     }
     let optim = a.optim.config()?;
+    let run_id = RunIdentity::new(&cfg, a.seed, a.data, &optim);
     let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
     let mut trainer = Trainer::new(
@@ -476,8 +488,38 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         a.lr,
         t0.elapsed().as_secs_f64()
     );
-    for _ in 0..a.steps {
-        let m = trainer.step().map_err(|e| e.to_string())?;
+    if let Some(path) = &a.resume {
+        let ckpt = checkpoint::load(path)?;
+        trainer
+            .restore(ckpt, &run_id)
+            .map_err(|e| format!("--resume {}: {e}", path.display()))?;
+        say!(
+            "resumed from {} after step {}",
+            path.display(),
+            trainer.steps_done()
+        );
+    }
+    let save = |trainer: &Trainer| -> Result<(), String> {
+        match &a.checkpoint {
+            Some(path) => checkpoint::save(path, &trainer.checkpoint(run_id.clone())),
+            None => Ok(()),
+        }
+    };
+    while trainer.steps_done() < a.steps {
+        let m = match trainer.step() {
+            Ok(m) => m,
+            Err(e) => {
+                // The failed step's update was not kept: save what came before it.
+                if let (Some(path), Ok(())) = (&a.checkpoint, save(&trainer)) {
+                    eprintln!(
+                        "saved the state after step {} to {}",
+                        trainer.steps_done(),
+                        path.display()
+                    );
+                }
+                return Err(e.to_string());
+            }
+        };
         let tps = m.tokens as f64 / m.seconds;
         // The reference interpreter has no meaningful hardware peak, so MFU is not reported.
         say!(
@@ -488,6 +530,17 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             m.peak_bytes as f64 / MIB,
             tps,
             tps * flops_per_token / 1e12
+        );
+        if a.checkpoint_every > 0 && m.step % a.checkpoint_every == 0 {
+            save(&trainer)?;
+        }
+    }
+    save(&trainer)?;
+    if let Some(path) = &a.checkpoint {
+        say!(
+            "checkpoint after step {}: {}",
+            trainer.steps_done(),
+            path.display()
         );
     }
     Ok(())

@@ -2,6 +2,7 @@
 //! state, then per step feeds a batch, the learning rate and the step count, runs the graph and
 //! writes every donated output back into the input it replaces.
 
+use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{batch, DataMode};
 use graphtrain_ir::interp::{self, HostTensor};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
@@ -265,9 +266,99 @@ impl Trainer {
         })
     }
 
+    /// Steps completed so far.
+    pub fn steps_done(&self) -> u64 {
+        self.steps_done
+    }
+
+    /// Parameters, optimizer state and the step count, with `run` to identify the run.
+    pub fn checkpoint(&self, run: RunIdentity) -> Checkpoint {
+        let mut entries = Vec::new();
+        let mut tensors = Vec::new();
+        for ((input, slot), feed) in self.graph.inputs.iter().zip(&self.slots).zip(&self.feeds) {
+            if matches!(feed, Feed::Carried) {
+                entries.push(TensorEntry {
+                    name: input.name.clone(),
+                    ty: slot.ty.clone(),
+                });
+                tensors.push(slot.clone());
+            }
+        }
+        Checkpoint {
+            header: Header {
+                run,
+                steps_done: self.steps_done,
+                tensors: entries,
+            },
+            tensors,
+        }
+    }
+
+    /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
+    /// and state tensor with its type.
+    pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
+        if ckpt.header.run != *run {
+            return Err(err(describe_mismatch(&ckpt.header.run, run)));
+        }
+        let mut by_name: std::collections::HashMap<String, HostTensor> = ckpt
+            .header
+            .tensors
+            .iter()
+            .map(|e| e.name.clone())
+            .zip(ckpt.tensors)
+            .collect();
+        for ((input, slot), feed) in self
+            .graph
+            .inputs
+            .iter()
+            .zip(&mut self.slots)
+            .zip(&self.feeds)
+        {
+            if !matches!(feed, Feed::Carried) {
+                continue;
+            }
+            let value = by_name
+                .remove(&input.name)
+                .ok_or_else(|| err(format!("the checkpoint has no tensor `{}`", input.name)))?;
+            if value.ty != slot.ty {
+                return Err(err(format!(
+                    "checkpoint tensor `{}` is {}, the train step needs {}",
+                    input.name, value.ty, slot.ty
+                )));
+            }
+            *slot = value;
+        }
+        if let Some(extra) = by_name.keys().next() {
+            return Err(err(format!(
+                "the checkpoint holds `{extra}`, which this train step does not have"
+            )));
+        }
+        self.steps_done = ckpt.header.steps_done;
+        Ok(())
+    }
+
     /// Current value of the input named `name` (a parameter, a state tensor).
     pub fn input_value(&self, name: &str) -> Option<&HostTensor> {
         let i = self.graph.inputs.iter().position(|i| i.name == name)?;
         Some(&self.slots[i])
     }
+}
+
+/// Names the first field in which two run identities differ.
+fn describe_mismatch(saved: &RunIdentity, now: &RunIdentity) -> String {
+    let field = if saved.model != now.model {
+        let a = ron::to_string(&saved.model).unwrap_or_default();
+        let b = ron::to_string(&now.model).unwrap_or_default();
+        format!("the model config (checkpoint {a}, now {b})")
+    } else if saved.seed != now.seed {
+        format!("--seed (checkpoint {}, now {})", saved.seed, now.seed)
+    } else if saved.data != now.data {
+        format!("--data (checkpoint {}, now {})", saved.data, now.data)
+    } else {
+        format!(
+            "the optimizer (checkpoint {:?}, now {:?})",
+            saved.optim, now.optim
+        )
+    };
+    format!("the checkpoint comes from a different run: {field} differs")
 }
