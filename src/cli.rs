@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
 use graphtrain_ir::{text, verify, DType, Graph, Phase};
+use graphtrain_lowering::plan_buffers;
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
     testing, PassRecord, Pipeline, PipelineSpec, Registry, Tier, DEFAULT_PIPELINE,
@@ -359,6 +360,9 @@ fn model_config(m: &ModelArgs) -> Result<Llama3Config, String> {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
+/// Buffer offsets are aligned for 512-bit vector loads.
+const ARENA_ALIGNMENT: usize = 64;
+
 fn gib(bytes: usize) -> String {
     let b = bytes as f64;
     if b >= 1024.0 * 1024.0 * 1024.0 {
@@ -422,6 +426,12 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         cfg.batch,
         cfg.seq_len
     );
+    let t_plan = Instant::now();
+    let plan = plan_buffers(g, ARENA_ALIGNMENT);
+    say!(
+        "buffer plan: {plan} (planned in {:.3}s)",
+        t_plan.elapsed().as_secs_f64()
+    );
     say!(
         "time: trace {:.3}s, autodiff + optimizer {:.3}s, verify {:.3}s, passes {:.3}s, total {:.3}s",
         times.trace.as_secs_f64(),
@@ -472,9 +482,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let flops_per_token = cfg.flops_per_token();
     let predicted = graphtrain_passes::memory::profile(&trainer.graph);
     say!(
-        "predicted (liveness over the schedule): peak {:.2}MiB, saved activations {:.2}MiB on device",
+        "predicted (liveness over the schedule): peak {:.2}MiB, saved activations {:.2}MiB on device; buffer plan: {}",
         predicted.peak_bytes as f64 / MIB,
-        predicted.saved_device_bytes as f64 / MIB
+        predicted.saved_device_bytes as f64 / MIB,
+        plan_buffers(&trainer.graph, ARENA_ALIGNMENT)
     );
     say!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",

@@ -1,0 +1,204 @@
+//! The buffer planner: gives every tensor value an offset in one arena so that values alive at the
+//! same time never overlap, and reports the arena size (the predicted peak) before anything runs.
+//!
+//! Lifetimes follow the schedule: a graph input is live from the start; a node's outputs from that
+//! node; a value until its last reader, or to the end when it is a graph output. Parameters and
+//! optimizer state are donated: the output that replaces an input takes the input's own bytes
+//! (the update happens in place), so the pair is one buffer live for the whole step. Reading an
+//! operand and writing a result of the same node never share bytes, except through donation,
+//! whose ops (AdamW, SGD) read and write each element at the same index.
+//!
+//! Placement is greedy by size (largest first, lowest offset that fits, as in TFLite's arena
+//! planner), aligned. The liveness lower bound (the most bytes live at any node) is reported next
+//! to the arena, so fragmentation is visible. Views are not aliased yet: a reshape gets its own
+//! buffer, which a real backend would not need.
+
+use graphtrain_ir::{Graph, ValueId};
+use std::fmt;
+
+/// Where one buffer lives and when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Values stored in this buffer: one, or a donated input and the output that replaces it.
+    pub values: Vec<ValueId>,
+    pub offset: usize,
+    pub bytes: usize,
+    /// First and last schedule slot the buffer is live in (slot 0 is before node 0, slot i + 1 is
+    /// node i).
+    pub live: (usize, usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BufferPlan {
+    pub buffers: Vec<Placement>,
+    /// For every value, the index of its buffer (`None` for values nothing defines).
+    pub buffer_of: Vec<Option<usize>>,
+    /// Arena size: the predicted peak of device memory for tensors.
+    pub arena_bytes: usize,
+    /// The most bytes live at any slot: no plan can use less.
+    pub lower_bound: usize,
+    pub alignment: usize,
+}
+
+impl BufferPlan {
+    pub fn offset_of(&self, v: ValueId) -> Option<usize> {
+        self.buffer_of[v.index()].map(|b| self.buffers[b].offset)
+    }
+}
+
+impl fmt::Display for BufferPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "arena {} for {} buffers (liveness lower bound {}, +{:.1}%)",
+            human(self.arena_bytes),
+            self.buffers.len(),
+            human(self.lower_bound),
+            if self.lower_bound == 0 {
+                0.0
+            } else {
+                100.0 * (self.arena_bytes as f64 / self.lower_bound as f64 - 1.0)
+            }
+        )
+    }
+}
+
+fn human(bytes: usize) -> String {
+    const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+    let b = bytes as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    }
+}
+
+fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// Plans `g`'s buffers with offsets aligned to `alignment` bytes (a power of two).
+pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
+    assert!(
+        alignment.is_power_of_two(),
+        "alignment must be a power of two"
+    );
+    let n_values = g.values.len();
+    let end = g.nodes.len() + 1;
+    let mut def: Vec<Option<usize>> = vec![None; n_values];
+    let mut last: Vec<usize> = vec![0; n_values];
+    for i in &g.inputs {
+        def[i.value.index()] = Some(0);
+    }
+    for (k, n) in g.nodes.iter().enumerate() {
+        for o in &n.outputs {
+            def[o.index()] = Some(k + 1);
+            last[o.index()] = last[o.index()].max(k + 1);
+        }
+        for v in &n.inputs {
+            last[v.index()] = last[v.index()].max(k + 1);
+        }
+    }
+    for o in &g.outputs {
+        last[o.value.index()] = end;
+    }
+
+    // One buffer per value, except that a donated output joins its input's buffer.
+    let mut buffer_of: Vec<Option<usize>> = vec![None; n_values];
+    let mut buffers: Vec<Placement> = Vec::new();
+    for (v, d) in def.iter().enumerate() {
+        let Some(d) = d else { continue };
+        buffer_of[v] = Some(buffers.len());
+        buffers.push(Placement {
+            values: vec![ValueId(v as u32)],
+            offset: 0,
+            bytes: g.values[v].size_bytes(),
+            live: (*d, last[v].max(*d)),
+        });
+    }
+    for o in &g.outputs {
+        let Some(src) = o.donates else { continue };
+        let (Some(keep), Some(drop)) = (buffer_of[src.index()], buffer_of[o.value.index()]) else {
+            continue;
+        };
+        if keep == drop {
+            continue;
+        }
+        let moved = std::mem::take(&mut buffers[drop].values);
+        let live = buffers[drop].live;
+        let b = &mut buffers[keep];
+        b.values.extend(moved.iter().copied());
+        b.live = (b.live.0.min(live.0), b.live.1.max(live.1));
+        for v in moved {
+            buffer_of[v.index()] = Some(keep);
+        }
+        buffers[drop].bytes = 0;
+    }
+    // Drop the emptied buffers and renumber.
+    let mut renumber = vec![None; buffers.len()];
+    let mut kept = Vec::with_capacity(buffers.len());
+    for (i, b) in buffers.into_iter().enumerate() {
+        if !b.values.is_empty() {
+            renumber[i] = Some(kept.len());
+            kept.push(b);
+        }
+    }
+    let mut buffers = kept;
+    for b in buffer_of.iter_mut() {
+        *b = b.and_then(|i| renumber[i]);
+    }
+
+    // Greedy by size: the largest buffers claim the lowest offsets first.
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by(|&a, &b| {
+        buffers[b]
+            .bytes
+            .cmp(&buffers[a].bytes)
+            .then(buffers[a].live.0.cmp(&buffers[b].live.0))
+            .then(a.cmp(&b))
+    });
+    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    let mut arena = 0;
+    for &b in &order {
+        let (start, stop) = buffers[b].live;
+        let size = align_up(buffers[b].bytes, alignment);
+        // Occupied ranges of placed buffers whose lifetimes intersect this one, by offset.
+        let mut busy: Vec<(usize, usize)> = placed
+            .iter()
+            .map(|&p| &buffers[p])
+            .filter(|p| p.live.0 <= stop && start <= p.live.1)
+            .map(|p| (p.offset, p.offset + align_up(p.bytes, alignment)))
+            .collect();
+        busy.sort_unstable();
+        let mut offset = 0;
+        for (lo, hi) in busy {
+            if offset + size <= lo {
+                break;
+            }
+            offset = offset.max(hi);
+        }
+        buffers[b].offset = offset;
+        arena = arena.max(offset + size);
+        placed.push(b);
+    }
+
+    let mut delta = vec![0i64; end + 2];
+    for b in &buffers {
+        delta[b.live.0] += b.bytes as i64;
+        delta[b.live.1 + 1] -= b.bytes as i64;
+    }
+    let mut live = 0i64;
+    let mut lower_bound = 0i64;
+    for d in delta {
+        live += d;
+        lower_bound = lower_bound.max(live);
+    }
+
+    BufferPlan {
+        buffers,
+        buffer_of,
+        arena_bytes: arena,
+        lower_bound: lower_bound as usize,
+        alignment,
+    }
+}
