@@ -67,6 +67,9 @@ pub enum Command {
     /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is n/a on the reference interpreter, which
     /// has no hardware peak. A non-finite loss stops the run with an error naming the step.
     Run(RunArgs),
+    /// Train for warm-up plus measured steps and report median tokens/s, compile time by stage,
+    /// predicted against measured memory and peak RSS (`--json FILE` writes the summary).
+    Bench(BenchArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
         /// Graph file: `.ron` is read as RON, anything else as the text format.
@@ -270,6 +273,34 @@ pub struct RunArgs {
     pub resume: Option<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Where the step executes (only the reference interpreter exists so far).
+    #[arg(long, default_value = "reference", value_parser = ["reference"])]
+    pub backend: String,
+    /// Measured steps (after the warm-up).
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Warm-up steps: real training steps, excluded from the speed figures.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u64,
+    #[arg(long, value_enum, default_value = "random")]
+    pub data: DataMode,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    #[command(flatten)]
+    pub optim: OptimArgs,
+    #[command(flatten)]
+    pub passes: PassArgs,
+    /// Write the summary as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
 /// returns the exit code.
 pub fn main<I, T>(args: I) -> ExitCode
@@ -316,6 +347,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
     match command {
         Command::Trace(a) => trace(a, registry),
         Command::Run(a) => run(a, registry),
+        Command::Bench(a) => bench(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
         Command::Config(ConfigCommand::Show { name }) => {
@@ -553,6 +585,81 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             trainer.steps_done(),
             path.display()
         );
+    }
+    Ok(())
+}
+
+fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
+    let cfg = model_config(&a.model)?;
+    if a.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    let optim = a.optim.config()?;
+    let pipeline = a.passes.pipeline(registry)?;
+    let mut trainer = Trainer::new(
+        &cfg,
+        TrainConfig {
+            data: a.data,
+            seed: a.seed,
+            lr: a.lr,
+            optim,
+        },
+        &pipeline,
+    )
+    .map_err(|e| e.to_string())?;
+    let t_plan = Instant::now();
+    let plan = plan_buffers(&trainer.graph, ARENA_ALIGNMENT);
+    let plan_time = t_plan.elapsed();
+    let warmup = a.warmup;
+    let s = crate::bench::run(
+        &mut trainer,
+        a.warmup,
+        a.steps,
+        &plan,
+        plan_time,
+        (&a.model.model, &a.model.config, &a.backend),
+        |m| {
+            say!(
+                "step: {:>2} loss: {:.4} time: {:.3}s{}",
+                m.step,
+                m.loss,
+                m.seconds,
+                if m.step <= warmup { "  (warmup)" } else { "" }
+            )
+        },
+    )?;
+    let c = &s.compile;
+    say!(
+        "summary: median_tps: {:.0} best_tps: {:.0} median_step: {:.3}s achieved: {:.2} GFLOP/s mfu: n/a ({} has no hardware peak)",
+        s.median_tps,
+        s.best_tps,
+        s.median_step_s,
+        s.achieved_gflops,
+        s.backend
+    );
+    say!(
+        "compile: trace {:.3}s, autodiff+optimizer {:.3}s, verify {:.3}s, passes {:.3}s, buffer plan {:.3}s, kernel JIT n/a; total {:.3}s",
+        c.trace_s,
+        c.autodiff_and_optimizer_s,
+        c.verify_s,
+        c.passes_s,
+        c.buffer_plan_s,
+        c.total_s
+    );
+    say!(
+        "memory: predicted {:.2}MiB (buffer plan), measured {:.2}MiB (executor accounting), peak RSS {}",
+        s.predicted_peak_bytes as f64 / MIB,
+        s.measured_peak_bytes as f64 / MIB,
+        s.peak_rss_bytes
+            .map(|b| format!("{:.0}MiB", b as f64 / MIB))
+            .unwrap_or_else(|| "n/a".into())
+    );
+    if let Some(path) = &a.json {
+        let body = serde_json::to_string_pretty(&s)
+            .map_err(|e| format!("cannot encode the summary: {e}"))?;
+        std::fs::write(path, body)
+            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+        say!("wrote {}", path.display());
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! The root package holds the CLI (`cli`), run configuration (`config`), data feeding (`data`)
 //! and the training loop (`trainer`), and re-exports the crates below it. See ARCHITECTURE.md.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

@@ -304,3 +304,42 @@ fn passes_apply_rewrites_and_checks_numerics() {
     );
     assert!(stderr(&o).contains("numerics: identical"), "{}", stderr(&o));
 }
+
+#[test]
+fn bench_reports_speed_compile_time_and_memory() {
+    let json = std::env::temp_dir().join(format!("graphtrain-bench-{}.json", std::process::id()));
+    let o = graphtrain(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for key in [
+        "(warmup)",
+        "summary: median_tps:",
+        "compile: trace",
+        "memory: predicted",
+    ] {
+        assert!(out.contains(key), "`{key}` missing:\n{out}");
+    }
+    let body = std::fs::read_to_string(&json).unwrap();
+    for key in [
+        "\"median_tps\"",
+        "\"predicted_peak_bytes\"",
+        "\"losses\"",
+        "\"compile\"",
+    ] {
+        assert!(body.contains(key), "`{key}` missing from the JSON");
+    }
+    assert_clean_error(
+        &graphtrain(&["bench", "--config", "tiny", "--steps", "0"]),
+        &["--steps must be at least 1"],
+    );
+}

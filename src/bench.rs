@@ -1,0 +1,131 @@
+//! `graphtrain bench`: trains for warm-up plus measured steps and reports what a speed comparison
+//! needs: median and best tokens/s, cold compile time split by stage, predicted against measured
+//! memory, and peak RSS. The shape follows ../shared/peers/torch/llama_step.py's summary so the
+//! two can sit side by side.
+
+use crate::trainer::Trainer;
+use graphtrain_lowering::BufferPlan;
+use serde::Serialize;
+use std::time::Duration;
+
+/// Wall time of each stage before the first step.
+#[derive(Clone, Debug, Serialize)]
+pub struct CompileTimes {
+    pub trace_s: f64,
+    pub autodiff_and_optimizer_s: f64,
+    pub verify_s: f64,
+    pub passes_s: f64,
+    pub buffer_plan_s: f64,
+    /// Kernel JIT: none on the reference interpreter.
+    pub kernel_jit_s: Option<f64>,
+    pub total_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchSummary {
+    pub model: String,
+    pub config: String,
+    pub backend: String,
+    pub passes: Vec<String>,
+    pub params: usize,
+    pub tokens_per_step: usize,
+    pub warmup: u64,
+    pub steps: u64,
+    pub median_tps: f64,
+    pub best_tps: f64,
+    pub median_step_s: f64,
+    pub first_step_s: f64,
+    pub flops_per_token: f64,
+    pub achieved_gflops: f64,
+    /// MFU against the backend's peak; `None` where the backend has no meaningful peak.
+    pub mfu: Option<f64>,
+    pub compile: CompileTimes,
+    /// The buffer plan's arena, before anything ran.
+    pub predicted_peak_bytes: usize,
+    /// The executor's own accounting of live tensor bytes, over all steps.
+    pub measured_peak_bytes: usize,
+    /// Peak resident set size of this process (Linux `VmHWM`), when the OS reports it.
+    pub peak_rss_bytes: Option<usize>,
+    pub step_times_s: Vec<f64>,
+    pub losses: Vec<f64>,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Peak RSS from /proc/self/status, `None` where unavailable.
+pub fn peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Runs `warmup + steps` steps on `trainer`; only the last `steps` count for speed.
+pub fn run(
+    trainer: &mut Trainer,
+    warmup: u64,
+    steps: u64,
+    plan: &BufferPlan,
+    plan_time: Duration,
+    labels: (&str, &str, &str),
+    mut on_step: impl FnMut(&crate::trainer::StepMetrics),
+) -> Result<BenchSummary, String> {
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    let mut measured_peak = 0;
+    for _ in 0..warmup + steps {
+        let m = trainer.step().map_err(|e| e.to_string())?;
+        on_step(&m);
+        times.push(m.seconds);
+        losses.push(m.loss);
+        measured_peak = measured_peak.max(m.peak_bytes);
+    }
+    let tokens = trainer.model.batch * trainer.model.seq_len;
+    let measured = &times[warmup as usize..];
+    let med = median(measured);
+    let best = measured.iter().copied().fold(f64::INFINITY, f64::min);
+    let flops_per_token = trainer.model.flops_per_token();
+    let t = &trainer.timings;
+    let compile = CompileTimes {
+        trace_s: t.trace.as_secs_f64(),
+        autodiff_and_optimizer_s: t.autodiff_and_optimizer.as_secs_f64(),
+        verify_s: t.verify.as_secs_f64(),
+        passes_s: t.passes.as_secs_f64(),
+        buffer_plan_s: plan_time.as_secs_f64(),
+        kernel_jit_s: None,
+        total_s: (t.trace + t.autodiff_and_optimizer + t.verify + t.passes + plan_time)
+            .as_secs_f64(),
+    };
+    let (model, config, backend) = labels;
+    Ok(BenchSummary {
+        model: model.to_string(),
+        config: config.to_string(),
+        backend: backend.to_string(),
+        passes: trainer.passes.iter().map(|p| p.pass.clone()).collect(),
+        params: trainer.model.num_params(),
+        tokens_per_step: tokens,
+        warmup,
+        steps,
+        median_tps: tokens as f64 / med,
+        best_tps: tokens as f64 / best,
+        median_step_s: med,
+        first_step_s: times.first().copied().unwrap_or(f64::NAN),
+        flops_per_token,
+        achieved_gflops: tokens as f64 / med * flops_per_token / 1e9,
+        mfu: None,
+        compile,
+        predicted_peak_bytes: plan.arena_bytes,
+        measured_peak_bytes: measured_peak,
+        peak_rss_bytes: peak_rss_bytes(),
+        step_times_s: times,
+        losses,
+    })
+}
