@@ -14,12 +14,14 @@
 //!
 //! Guarantees: tier 1 (layout ops move elements without arithmetic; the two scalar rules are exact
 //! in IEEE arithmetic). Inner nodes of folded chains are left for `dce` when nothing else reads
-//! them. Declines: never.
+//! them. Declines to fold a chain from a backward recompute copy (`remat=recompute`, made by
+//! activation checkpointing) into a forward node: the copy would then read a forward value from
+//! backward and undo the memory saving.
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
 use crate::rewrite::{rebuild, Substitution};
-use graphtrain_ir::{Graph, Node, Op, ValueId};
+use graphtrain_ir::{Graph, Node, Op, Phase, Remat, ValueId};
 
 pub const INFO: PassInfo = PassInfo {
     name: "canonicalize",
@@ -51,7 +53,13 @@ enum Rewrite {
 fn rule(g: &Graph, producer: &[Option<usize>], nodes: &[Node], n: &Node) -> Option<Rewrite> {
     let x = *n.inputs.first()?;
     let xt = g.ty(x);
-    let inner = producer[x.index()].map(|i| &nodes[i]);
+    // A recompute copy (activation checkpointing) that folded through a forward node would read
+    // that node's forward operand from backward and keep it alive: fold only among copies.
+    let is_copy =
+        |m: &Node| m.meta.phase >= Phase::Backward && m.meta.tags.remat == Some(Remat::Recompute);
+    let inner = producer[x.index()]
+        .map(|i| &nodes[i])
+        .filter(|m| !is_copy(n) || is_copy(m));
     match &n.op {
         Op::Reshape { shape } if *shape == xt.shape => Some(Rewrite::Forward(x)),
         Op::Reshape { shape } => match inner.map(|m| (&m.op, m.inputs[0])) {
@@ -175,6 +183,27 @@ mod tests {
 }",
         );
         insta::assert_snapshot!(out);
+    }
+
+    #[test]
+    fn recompute_copies_do_not_fold_into_forward_chains() {
+        let out = check(
+            &Canonicalize,
+            "graph g {
+  input %x: f32[2,3]
+  %1: f32[3,2] = transpose(%x, perm=[1,0])  # fwd remat=recompute
+  %2: f32[3,2] = exp(%1)  # fwd
+  %3: f32[3,2] = transpose(%x, perm=[1,0])  # bwd remat=recompute
+  %4: f32[2,3] = transpose(%3, perm=[1,0])  # bwd remat=recompute
+  %5: f32[2,3] = transpose(%1, perm=[1,0])  # bwd remat=recompute
+  output y = %2
+  output a = %4
+  output b = %5
+}",
+        );
+        // The copy-of-copy pair cancels; the copy reading the forward %1 stays as it is.
+        assert!(out.contains("output a = %x"), "{out}");
+        assert!(out.contains("transpose(%1, perm=[1,0])  # bwd"), "{out}");
     }
 
     #[test]
