@@ -364,8 +364,14 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Config(ConfigCommand::List) => {
             for name in LLAMA3_CONFIGS {
                 let cfg = Llama3Config::builtin(name).expect("listed configs exist");
+                let params = cfg.num_params() as f64;
+                let params = if params >= 1e9 {
+                    format!("{:.2}B", params / 1e9)
+                } else {
+                    format!("{:.2}M", params / 1e6)
+                };
                 say!(
-                    "{name:>6}: dim {} layers {} heads {}/{} kv, vocab {}, ffn {}, batch {} x seq {}, {:.3}B params",
+                    "{name:>6}: dim {} layers {} heads {}/{} kv, vocab {}, ffn {}, batch {} x seq {}, {params} params",
                     cfg.dim,
                     cfg.n_layers,
                     cfg.n_heads,
@@ -373,8 +379,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
                     cfg.vocab_size,
                     cfg.ffn_hidden,
                     cfg.batch,
-                    cfg.seq_len,
-                    cfg.num_params() as f64 / 1e9
+                    cfg.seq_len
                 );
             }
             Ok(())
@@ -713,7 +718,7 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
         PassesCommand::Explain { name } => {
             registry.require(&name)?;
             let info = registry.info(&name).expect("required above");
-            say!("{} ({})\n", info.name, info.tier.label());
+            say!("{}: {}\n", info.name, info.tier.label());
             say!("{}", info.contract);
             if let Some(h) = info.option_help {
                 say!("\noptions: {}={h}", info.name);
