@@ -20,8 +20,8 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::{rebuild, Substitution};
-use graphtrain_ir::{Graph, Node, Op, Phase, Remat, ValueId};
+use crate::rewrite::{is_recompute_copy, rebuild, Substitution};
+use graphtrain_ir::{Graph, Node, Op, ValueId};
 
 pub const INFO: PassInfo = PassInfo {
     name: "canonicalize",
@@ -55,11 +55,9 @@ fn rule(g: &Graph, producer: &[Option<usize>], nodes: &[Node], n: &Node) -> Opti
     let xt = g.ty(x);
     // A recompute copy (activation checkpointing) that folded through a forward node would read
     // that node's forward operand from backward and keep it alive: fold only among copies.
-    let is_copy =
-        |m: &Node| m.meta.phase >= Phase::Backward && m.meta.tags.remat == Some(Remat::Recompute);
     let inner = producer[x.index()]
         .map(|i| &nodes[i])
-        .filter(|m| !is_copy(n) || is_copy(m));
+        .filter(|m| !is_recompute_copy(n) || is_recompute_copy(m));
     match &n.op {
         Op::Reshape { shape } if *shape == xt.shape => Some(Rewrite::Forward(x)),
         Op::Reshape { shape } => match inner.map(|m| (&m.op, m.inputs[0])) {

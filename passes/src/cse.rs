@@ -11,8 +11,8 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::{op_counts, rebuild, Substitution};
-use graphtrain_ir::{Graph, Phase, Remat, ValueId};
+use crate::rewrite::{is_recompute_copy, op_counts, rebuild, Substitution};
+use graphtrain_ir::{Graph, ValueId};
 use std::collections::HashMap;
 
 pub const INFO: PassInfo = PassInfo {
@@ -49,8 +49,7 @@ impl Pass for Cse {
         for (i, n) in g.nodes.iter().enumerate() {
             let operands: Vec<ValueId> = n.inputs.iter().map(|v| subst.get(*v)).collect();
             // `Debug` of an op spells every attribute, floats exactly.
-            let recompute_copy =
-                n.meta.phase >= Phase::Backward && n.meta.tags.remat == Some(Remat::Recompute);
+            let recompute_copy = is_recompute_copy(n);
             let key = (format!("{:?}", n.op), operands, recompute_copy);
             match seen.get(&key) {
                 Some(&first) => {

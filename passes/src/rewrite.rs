@@ -1,7 +1,7 @@
 //! Small shared machinery for passes that rebuild a graph: a value substitution and a rebuild
 //! that drops nodes and renumbers canonically.
 
-use graphtrain_ir::{Graph, Node, ValueId};
+use graphtrain_ir::{Graph, Node, Phase, Remat, ValueId};
 
 /// Replace-all-uses records: `get(v)` follows `v -> w -> ...` to the final replacement.
 #[derive(Clone, Debug)]
@@ -67,4 +67,11 @@ pub fn op_counts(g: &Graph, mask: impl Fn(usize) -> bool) -> String {
         .map(|(k, v)| format!("{k} ×{v}"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A backward copy that activation checkpointing (`remat`) made on purpose, so that a forward
+/// value need not stay alive. Passes that merge or fold nodes must not fold such a copy back into
+/// the forward nodes it duplicates, or the memory saving is silently undone.
+pub fn is_recompute_copy(n: &Node) -> bool {
+    n.meta.phase >= Phase::Backward && n.meta.tags.remat == Some(Remat::Recompute)
 }

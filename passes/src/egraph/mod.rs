@@ -41,10 +41,11 @@ pub mod rules;
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
+use crate::rewrite::is_recompute_copy;
 use analysis::{GraphAnalysis, EG};
 use egg::{Id, Language, Runner, StopReason};
 use extract::Origin;
-use graphtrain_ir::{verify, Graph, Phase, Remat};
+use graphtrain_ir::{verify, Graph};
 use lang::GNode;
 use rule::Rule;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -200,9 +201,7 @@ impl Pass for Saturate {
         };
         // Hashconsing would merge activation checkpointing's backward copies back into their
         // forward originals and silently undo it.
-        if let Some(i) = g.nodes.iter().position(|n| {
-            n.meta.phase >= Phase::Backward && n.meta.tags.remat == Some(Remat::Recompute)
-        }) {
+        if let Some(i) = g.nodes.iter().position(is_recompute_copy) {
             let mut report = PassReport::default();
             report.decline(
                 Some(i),
