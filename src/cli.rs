@@ -237,17 +237,15 @@ impl OptimArgs {
     }
 }
 
+/// What `run` and `bench` share: the model, where it runs, data, optimizer and passes.
 #[derive(clap::Args, Debug)]
-pub struct RunArgs {
+pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Where the step executes. Only the reference interpreter exists so far; the cubecl
     /// backends (cpu, wgpu, cuda) arrive with the lowering.
     #[arg(long, default_value = "reference", value_parser = ["reference"])]
     pub backend: String,
-    /// Train until this step (with --resume, steps already done count).
-    #[arg(long, default_value_t = 10)]
-    pub steps: u64,
     /// Training data: a fresh random batch per step, or the same batch every step.
     #[arg(long, value_enum, default_value = "random")]
     pub data: DataMode,
@@ -261,6 +259,50 @@ pub struct RunArgs {
     pub optim: OptimArgs,
     #[command(flatten)]
     pub passes: PassArgs,
+}
+
+/// A trainer built from the shared flags, with what went into it.
+struct Session {
+    cfg: Llama3Config,
+    optim: OptimConfig,
+    trainer: Trainer,
+}
+
+impl TrainArgs {
+    /// Validates the flags, builds the step through the pipeline and initializes the trainer.
+    fn session(&self, registry: &Registry) -> Result<Session, String> {
+        let cfg = model_config(&self.model)?;
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(format!("--lr must be a positive number, got {}", self.lr));
+        }
+        let optim = self.optim.config()?;
+        let pipeline = self.passes.pipeline(registry)?;
+        let trainer = Trainer::new(
+            &cfg,
+            TrainConfig {
+                data: self.data,
+                seed: self.seed,
+                lr: self.lr,
+                optim,
+            },
+            &pipeline,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Session {
+            cfg,
+            optim,
+            trainer,
+        })
+    }
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Train until this step (with --resume, steps already done count).
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
     /// Save parameters, optimizer state and the step count to this file (atomically) at the end,
     /// every --checkpoint-every steps, and with the last good state when a step fails.
     #[arg(long)]
@@ -276,26 +318,13 @@ pub struct RunArgs {
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
-    /// Where the step executes (only the reference interpreter exists so far).
-    #[arg(long, default_value = "reference", value_parser = ["reference"])]
-    pub backend: String,
+    pub train: TrainArgs,
     /// Measured steps (after the warm-up).
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
     /// Warm-up steps: real training steps, excluded from the speed figures.
     #[arg(long, default_value_t = 3)]
     pub warmup: u64,
-    #[arg(long, value_enum, default_value = "random")]
-    pub data: DataMode,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    #[arg(long, default_value_t = 1e-3)]
-    pub lr: f64,
-    #[command(flatten)]
-    pub optim: OptimArgs,
-    #[command(flatten)]
-    pub passes: PassArgs,
     /// Write the summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -496,25 +525,13 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
 }
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
-    let cfg = model_config(&a.model)?;
-    if !(a.lr > 0.0 && a.lr.is_finite()) {
-        return Err(format!("--lr must be a positive number, got {}", a.lr));
-    }
-    let optim = a.optim.config()?;
-    let run_id = RunIdentity::new(&cfg, a.seed, a.data, &optim);
-    let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
-    let mut trainer = Trainer::new(
-        &cfg,
-        TrainConfig {
-            data: a.data,
-            seed: a.seed,
-            lr: a.lr,
-            optim,
-        },
-        &pipeline,
-    )
-    .map_err(|e| e.to_string())?;
+    let Session {
+        cfg,
+        optim,
+        mut trainer,
+    } = a.train.session(registry)?;
+    let run_id = RunIdentity::new(&cfg, a.train.seed, a.train.data, &optim);
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
     let predicted = graphtrain_passes::memory::profile(&trainer.graph);
@@ -526,14 +543,14 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     );
     say!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
-        a.model.model,
-        a.model.config,
-        a.backend,
+        a.train.model.model,
+        a.train.model.config,
+        a.train.backend,
         cfg.num_params(),
         trainer.graph.nodes.len(),
-        a.data,
-        a.seed,
-        a.lr,
+        a.train.data,
+        a.train.seed,
+        a.train.lr,
         t0.elapsed().as_secs_f64()
     );
     if let Some(path) = &a.resume {
@@ -595,23 +612,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
 }
 
 fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
-    let cfg = model_config(&a.model)?;
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
-    let optim = a.optim.config()?;
-    let pipeline = a.passes.pipeline(registry)?;
-    let mut trainer = Trainer::new(
-        &cfg,
-        TrainConfig {
-            data: a.data,
-            seed: a.seed,
-            lr: a.lr,
-            optim,
-        },
-        &pipeline,
-    )
-    .map_err(|e| e.to_string())?;
+    let Session { mut trainer, .. } = a.train.session(registry)?;
     let t_plan = Instant::now();
     let plan = plan_buffers(&trainer.graph, ARENA_ALIGNMENT);
     let plan_time = t_plan.elapsed();
@@ -622,7 +626,11 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         a.steps,
         &plan,
         plan_time,
-        (&a.model.model, &a.model.config, &a.backend),
+        (
+            &a.train.model.model,
+            &a.train.model.config,
+            &a.train.backend,
+        ),
         |m| {
             say!(
                 "step: {:>2} loss: {:.4} time: {:.3}s{}",
