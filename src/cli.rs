@@ -9,15 +9,16 @@ use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
 use graphtrain_ir::{text, verify, DType, Graph, Phase};
-use graphtrain_lowering::plan_buffers;
+use graphtrain_lowering::{plan_buffers, Mode};
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
     testing, PassRecord, Pipeline, PipelineSpec, Registry, Tier, DEFAULT_PIPELINE,
 };
+use graphtrain_runtime::Backend;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Writes a line to stdout. A closed pipe (`graphtrain ... | head`) ends the process quietly, as
 /// the default SIGPIPE action would, instead of panicking inside `println!`.
@@ -242,10 +243,16 @@ impl OptimArgs {
 pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Where the step executes. Only the reference interpreter exists so far; the cubecl
-    /// backends (cpu, wgpu, cuda) arrive with the lowering.
-    #[arg(long, default_value = "reference", value_parser = ["reference"])]
+    /// Where the step executes: `cpu` (cubecl-cpu kernels and a native GEMM), `reference` (the
+    /// interpreter: slow, the numerics oracle). `wgpu` and `cuda` are named but not built yet,
+    /// and say so.
+    #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// How the compiled backends lower the step: `fused` (layout views, transposes folded into
+    /// the GEMM; bitwise equal to eager), `eager` (one kernel per op, the numerics baseline), or
+    /// `fused-elementwise` (also inlines elementwise chains; changes the last bits, opt-in).
+    #[arg(long, value_enum, default_value = "fused")]
+    pub lowering: LoweringMode,
     /// Training data: a fresh random batch per step, or the same batch every step.
     #[arg(long, value_enum, default_value = "random")]
     pub data: DataMode,
@@ -266,6 +273,25 @@ struct Session {
     cfg: Llama3Config,
     optim: OptimConfig,
     trainer: Trainer,
+    /// Lowering and loading on the backend (kernel JIT happens in the first step).
+    load_time: Duration,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum LoweringMode {
+    Fused,
+    Eager,
+    FusedElementwise,
+}
+
+impl LoweringMode {
+    fn mode(self) -> Mode {
+        match self {
+            LoweringMode::Fused => Mode::Fused,
+            LoweringMode::Eager => Mode::Eager,
+            LoweringMode::FusedElementwise => Mode::FusedElementwise,
+        }
+    }
 }
 
 impl TrainArgs {
@@ -277,7 +303,11 @@ impl TrainArgs {
         }
         let optim = self.optim.config()?;
         let pipeline = self.passes.pipeline(registry)?;
-        let trainer = Trainer::new(
+        let backend: Backend = self.backend.parse()?;
+        if let Some(why) = backend.unavailable() {
+            return Err(why);
+        }
+        let mut trainer = Trainer::new(
             &cfg,
             TrainConfig {
                 data: self.data,
@@ -288,10 +318,16 @@ impl TrainArgs {
             &pipeline,
         )
         .map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        trainer
+            .use_backend(backend, self.lowering.mode())
+            .map_err(|e| e.to_string())?;
+        let load_time = t.elapsed();
         Ok(Session {
             cfg,
             optim,
             trainer,
+            load_time,
         })
     }
 }
@@ -530,6 +566,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         cfg,
         optim,
         mut trainer,
+        ..
     } = a.train.session(registry)?;
     let run_id = RunIdentity::new(&cfg, a.train.seed, a.train.data, &optim);
     print_pass_records(&trainer.passes);
@@ -541,6 +578,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         predicted.saved_device_bytes as f64 / MIB,
         plan_buffers(&trainer.graph, ARENA_ALIGNMENT)
     );
+    if let Some(p) = trainer.program() {
+        say!(
+            "lowered ({:?}): {}; arena {:.2}MiB (liveness lower bound {:.2}MiB)",
+            p.mode,
+            p.summary(),
+            p.plan.arena_bytes as f64 / MIB,
+            p.plan.lower_bound as f64 / MIB
+        );
+    }
     say!(
         "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
         a.train.model.model,
@@ -564,9 +610,14 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             trainer.steps_done()
         );
     }
-    let save = |trainer: &Trainer| -> Result<(), String> {
+    let save = |trainer: &mut Trainer| -> Result<(), String> {
         match &a.checkpoint {
-            Some(path) => checkpoint::save(path, &trainer.checkpoint(run_id.clone())),
+            Some(path) => checkpoint::save(
+                path,
+                &trainer
+                    .checkpoint(run_id.clone())
+                    .map_err(|e| e.to_string())?,
+            ),
             None => Ok(()),
         }
     };
@@ -575,12 +626,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             Ok(m) => m,
             Err(e) => {
                 // The failed step's update was not kept: save what came before it.
-                if let (Some(path), Ok(())) = (&a.checkpoint, save(&trainer)) {
-                    eprintln!(
-                        "saved the state after step {} to {}",
-                        trainer.steps_done(),
-                        path.display()
-                    );
+                if let Some(path) = &a.checkpoint {
+                    match save(&mut trainer) {
+                        Ok(()) => eprintln!(
+                            "saved the state after step {} to {}",
+                            trainer.steps_done(),
+                            path.display()
+                        ),
+                        Err(why) => eprintln!("not saving {}: {why}", path.display()),
+                    }
                 }
                 return Err(e.to_string());
             }
@@ -597,10 +651,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             tps * flops_per_token / 1e12
         );
         if a.checkpoint_every > 0 && m.step % a.checkpoint_every == 0 {
-            save(&trainer)?;
+            save(&mut trainer)?;
         }
     }
-    save(&trainer)?;
+    save(&mut trainer)?;
     if let Some(path) = &a.checkpoint {
         say!(
             "checkpoint after step {}: {}",
@@ -615,10 +669,17 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
-    let Session { mut trainer, .. } = a.train.session(registry)?;
+    let Session {
+        mut trainer,
+        load_time,
+        ..
+    } = a.train.session(registry)?;
     let t_plan = Instant::now();
-    let plan = plan_buffers(&trainer.graph, ARENA_ALIGNMENT);
-    let plan_time = t_plan.elapsed();
+    let plan = match trainer.program() {
+        Some(p) => p.plan.clone(),
+        None => plan_buffers(&trainer.graph, ARENA_ALIGNMENT),
+    };
+    let plan_time = t_plan.elapsed() + load_time;
     let warmup = a.warmup;
     let s = crate::bench::run(
         &mut trainer,

@@ -3,15 +3,19 @@
 //! step and every parameter and optimizer-state tensor at the end. Bitwise for a tier-1 pipeline,
 //! within a relative tolerance for tier 2.
 //!
-//! Today both runs execute on the reference interpreter; when the cubecl backends land, the same
-//! gate runs the lowered program against eager op-by-op execution on one backend.
+//! `check_pipeline` runs both on the reference interpreter; `check_pipeline_on` runs the
+//! unoptimized step lowered eagerly (one kernel per op) against the optimized step lowered with
+//! fusion, on one compiled backend — the gate the lowering work and the passes share.
 
 use crate::data::DataMode;
 use crate::trainer::{TrainConfig, Trainer};
 use graphtrain_ir::optim::OptimConfig;
+use graphtrain_ir::HostTensor;
 use graphtrain_ir::InputKind;
+use graphtrain_lowering::Mode;
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{Pipeline, Tier};
+use graphtrain_runtime::Backend;
 
 /// Relative tolerance of the tier-2 gate (f32 training).
 pub const TIER2_TOLERANCE: f64 = 1e-4;
@@ -25,6 +29,17 @@ fn same(a: f64, b: f64, tier: Tier) -> bool {
 
 /// Runs `steps` AdamW steps with and without `pipeline`; `Err` names the first difference.
 pub fn check_pipeline(model: &Llama3Config, pipeline: &Pipeline, steps: u64) -> Result<(), String> {
+    check_pipeline_on(model, pipeline, steps, Backend::Reference)
+}
+
+/// As `check_pipeline`, on `backend`: the unoptimized step runs eager (op by op), the optimized
+/// one fused.
+pub fn check_pipeline_on(
+    model: &Llama3Config,
+    pipeline: &Pipeline,
+    steps: u64,
+    backend: Backend,
+) -> Result<(), String> {
     let cfg = TrainConfig {
         data: DataMode::Random,
         seed: 0,
@@ -35,6 +50,10 @@ pub fn check_pipeline(model: &Llama3Config, pipeline: &Pipeline, steps: u64) -> 
     let mut base =
         Trainer::new(model, cfg.clone(), &Pipeline::new(Vec::new())).map_err(|e| e.to_string())?;
     let mut opt = Trainer::new(model, cfg, pipeline).map_err(|e| e.to_string())?;
+    base.use_backend(backend, Mode::Eager)
+        .map_err(|e| e.to_string())?;
+    opt.use_backend(backend, Mode::Fused)
+        .map_err(|e| e.to_string())?;
     for _ in 0..steps {
         let a = base.step().map_err(|e| format!("unoptimized: {e}"))?;
         let b = opt.step().map_err(|e| format!("optimized: {e}"))?;
@@ -50,20 +69,22 @@ pub fn check_pipeline(model: &Llama3Config, pipeline: &Pipeline, steps: u64) -> 
             ));
         }
     }
-    for input in base
+    let carried: Vec<String> = base
         .graph
         .inputs
         .iter()
         .filter(|i| i.kind != InputKind::Data)
-    {
-        let a = base.input_value(&input.name).expect("the input exists");
+        .map(|i| i.name.clone())
+        .collect();
+    for name in carried {
+        let a = base.input_value(&name).expect("the input exists").clone();
         let b = opt
-            .input_value(&input.name)
-            .ok_or_else(|| format!("the optimized step lost input `{}`", input.name))?;
+            .input_value(&name)
+            .ok_or_else(|| format!("the optimized step lost input `{name}`"))?;
         if let Some(i) = (0..a.data.len()).find(|&i| !same(a.data[i], b.data[i], tier)) {
             return Err(format!(
                 "after {steps} steps `{}` element {i} differs: {:e} vs {:e} ({})",
-                input.name,
+                name,
                 a.data[i],
                 b.data[i],
                 tier.label()
@@ -71,4 +92,63 @@ pub fn check_pipeline(model: &Llama3Config, pipeline: &Pipeline, steps: u64) -> 
         }
     }
     Ok(())
+}
+
+/// What one training run left behind: per-step loss and grad norm, and every parameter and
+/// optimizer-state tensor at the end.
+pub struct RunRecord {
+    pub losses: Vec<f64>,
+    pub grad_norms: Vec<f64>,
+    pub state: Vec<(String, HostTensor)>,
+}
+
+/// Trains the built-in config `config` for `steps` steps (fixed data, seed 0, no passes) on
+/// each of two backends/lowerings, for comparisons between them.
+pub fn train_on_backends(
+    config: &str,
+    steps: u64,
+    first: Backend,
+    first_mode: Mode,
+    second: Backend,
+    second_mode: Mode,
+) -> Result<(RunRecord, RunRecord), String> {
+    let model =
+        Llama3Config::builtin(config).ok_or_else(|| format!("unknown config `{config}`"))?;
+    let run = |backend: Backend, mode: Mode| -> Result<RunRecord, String> {
+        let cfg = TrainConfig {
+            data: DataMode::Fixed,
+            seed: 0,
+            lr: 1e-3,
+            optim: OptimConfig::default(),
+        };
+        let mut t =
+            Trainer::new(&model, cfg, &Pipeline::new(Vec::new())).map_err(|e| e.to_string())?;
+        t.use_backend(backend, mode).map_err(|e| e.to_string())?;
+        let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let m = t.step().map_err(|e| format!("{backend}: {e}"))?;
+            losses.push(m.loss);
+            grad_norms.push(m.grad_norm);
+        }
+        let names: Vec<String> = t
+            .graph
+            .inputs
+            .iter()
+            .filter(|i| i.kind != InputKind::Data)
+            .map(|i| i.name.clone())
+            .collect();
+        let state = names
+            .into_iter()
+            .map(|n| {
+                let v = t.input_value(&n).expect("the input exists").clone();
+                (n, v)
+            })
+            .collect();
+        Ok(RunRecord {
+            losses,
+            grad_norms,
+            state,
+        })
+    };
+    Ok((run(first, first_mode)?, run(second, second_mode)?))
 }

@@ -6,9 +6,11 @@ use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{batch, DataMode};
 use graphtrain_ir::interp::{self, HostTensor};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
-use graphtrain_ir::{rng, verify, DType, Graph, Init, InputKind, TensorType};
+use graphtrain_ir::{rng, verify, DType, Graph, Init, InputKind, TensorType, ValueId};
+use graphtrain_lowering::{Mode, Program};
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{PassRecord, Pipeline};
+use graphtrain_runtime::{Backend, Executor};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -140,6 +142,14 @@ pub struct Trainer {
     loss_output: usize,
     grad_norm_output: usize,
     steps_done: u64,
+    /// A compiled backend holding parameters and state in its arena; `None` runs the
+    /// interpreter on `slots`.
+    exec: Option<Box<dyn Executor>>,
+    /// Carried slots are stale (the backend holds the current values).
+    slots_stale: bool,
+    /// A step failed on a compiled backend after its in-place update: the state is not one any
+    /// completed step left, so it must not be checkpointed.
+    poisoned: bool,
 }
 
 impl Trainer {
@@ -215,7 +225,70 @@ impl Trainer {
             loss_output,
             grad_norm_output,
             steps_done: 0,
+            exec: None,
+            slots_stale: false,
+            poisoned: false,
         })
+    }
+
+    /// Runs the following steps on `backend` (lowered in `mode`) instead of the interpreter.
+    /// Parameters and optimizer state move into the backend's arena and stay there; only the
+    /// batch, lr and step are written per step.
+    pub fn use_backend(&mut self, backend: Backend, mode: Mode) -> Result<(), TrainError> {
+        self.pull_slots()?;
+        if backend == Backend::Reference {
+            self.exec = None;
+            return Ok(());
+        }
+        let mut exec = graphtrain_runtime::load(&self.graph, backend, mode).map_err(err)?;
+        // The program's graph is the legalized one: same inputs and outputs in the same order,
+        // but its own value ids.
+        let inputs: Vec<_> = exec
+            .program()
+            .graph
+            .inputs
+            .iter()
+            .map(|i| i.value)
+            .collect();
+        for (v, slot) in inputs.into_iter().zip(&self.slots) {
+            exec.write(v, slot).map_err(err)?;
+        }
+        self.exec = Some(exec);
+        Ok(())
+    }
+
+    /// The loaded program, when a compiled backend runs the steps.
+    pub fn program(&self) -> Option<&Program> {
+        self.exec.as_ref().map(|e| e.program())
+    }
+
+    /// Bytes the backend holds for tensors (the arena), when a compiled backend runs the steps.
+    pub fn backend_memory_bytes(&self) -> Option<usize> {
+        self.exec.as_ref().map(|e| e.memory_bytes())
+    }
+
+    /// Brings parameters and state back from the backend into `slots`.
+    fn pull_slots(&mut self) -> Result<(), TrainError> {
+        if !self.slots_stale {
+            return Ok(());
+        }
+        let Some(exec) = self.exec.as_mut() else {
+            return Ok(());
+        };
+        let inputs: Vec<_> = exec
+            .program()
+            .graph
+            .inputs
+            .iter()
+            .map(|i| i.value)
+            .collect();
+        for ((v, slot), feed) in inputs.into_iter().zip(&mut self.slots).zip(&self.feeds) {
+            if matches!(feed, Feed::Carried) {
+                *slot = exec.read(v).map_err(err)?;
+            }
+        }
+        self.slots_stale = false;
+        Ok(())
     }
 
     /// Runs one train step. A non-finite loss stops training with an error naming the step.
@@ -239,13 +312,31 @@ impl Trainer {
                 Feed::Carried => {}
             }
         }
+        if let Some(exec) = self.exec.as_mut() {
+            return Self::step_on(
+                exec.as_mut(),
+                &self.slots,
+                &self.feeds,
+                (self.loss_output, self.grad_norm_output),
+                step_no,
+                m.batch * m.seq_len,
+            )
+            .inspect(|_metrics| {
+                self.slots_stale = true;
+                self.steps_done = step_no;
+            })
+            .inspect_err(|_| {
+                // The backend updated parameters in place before the loss could be checked.
+                self.poisoned = true;
+            });
+        }
         let t0 = Instant::now();
         let out = interp::run(&self.graph, &self.slots)
             .map_err(|e| err(format!("step {step_no}: {e}")))?;
         let seconds = t0.elapsed().as_secs_f64();
         let loss = out.outputs[self.loss_output].data[0];
         let grad_norm = out.outputs[self.grad_norm_output].data[0];
-        if !loss.is_finite() {
+        if !loss.is_finite() || !grad_norm.is_finite() {
             return Err(err(format!(
                 "step {step_no}: loss is {loss} (grad_norm {grad_norm}); stopping before the update is kept"
             )));
@@ -266,13 +357,63 @@ impl Trainer {
         })
     }
 
+    fn step_on(
+        exec: &mut dyn Executor,
+        slots: &[HostTensor],
+        feeds: &[Feed],
+        (loss_output, grad_norm_output): (usize, usize),
+        step_no: u64,
+        tokens: usize,
+    ) -> Result<StepMetrics, TrainError> {
+        let t0 = Instant::now();
+        let g = &exec.program().graph;
+        let inputs: Vec<ValueId> = g.inputs.iter().map(|i| i.value).collect();
+        let outputs: Vec<ValueId> = g.outputs.iter().map(|o| o.value).collect();
+        for ((v, slot), feed) in inputs.into_iter().zip(slots).zip(feeds) {
+            if !matches!(feed, Feed::Carried) {
+                exec.write(v, slot)
+                    .map_err(|e| err(format!("step {step_no}: {e}")))?;
+            }
+        }
+        exec.run()
+            .map_err(|e| err(format!("step {step_no}: {e}")))?;
+        let read = |exec: &mut dyn Executor, k: usize| {
+            exec.read(outputs[k])
+                .map(|t| t.data[0])
+                .map_err(|e| err(format!("step {step_no}: {e}")))
+        };
+        let loss = read(exec, loss_output)?;
+        let grad_norm = read(exec, grad_norm_output)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            return Err(err(format!(
+                "step {step_no}: loss is {loss} (grad_norm {grad_norm}); stopping (the compiled backend updates in place, so resume from the last checkpoint)"
+            )));
+        }
+        Ok(StepMetrics {
+            step: step_no,
+            loss,
+            grad_norm,
+            peak_bytes: exec.memory_bytes(),
+            seconds,
+            tokens,
+        })
+    }
+
     /// Steps completed so far.
     pub fn steps_done(&self) -> u64 {
         self.steps_done
     }
 
     /// Parameters, optimizer state and the step count, with `run` to identify the run.
-    pub fn checkpoint(&self, run: RunIdentity) -> Checkpoint {
+    pub fn checkpoint(&mut self, run: RunIdentity) -> Result<Checkpoint, TrainError> {
+        if self.poisoned {
+            return Err(err(format!(
+                "a step after step {} failed on the compiled backend, which had already updated the parameters in place; the last checkpoint written is the last good state",
+                self.steps_done
+            )));
+        }
+        self.pull_slots()?;
         let mut entries = Vec::new();
         let mut tensors = Vec::new();
         for ((input, slot), feed) in self.graph.inputs.iter().zip(&self.slots).zip(&self.feeds) {
@@ -284,14 +425,14 @@ impl Trainer {
                 tensors.push(slot.clone());
             }
         }
-        Checkpoint {
+        Ok(Checkpoint {
             header: Header {
                 run,
                 steps_done: self.steps_done,
                 tensors: entries,
             },
             tensors,
-        }
+        })
     }
 
     /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
@@ -334,11 +475,25 @@ impl Trainer {
             )));
         }
         self.steps_done = ckpt.header.steps_done;
+        if let Some(exec) = self.exec.as_mut() {
+            let inputs: Vec<_> = exec
+                .program()
+                .graph
+                .inputs
+                .iter()
+                .map(|i| i.value)
+                .collect();
+            for (v, slot) in inputs.into_iter().zip(&self.slots) {
+                exec.write(v, slot).map_err(err)?;
+            }
+        }
+        self.slots_stale = false;
         Ok(())
     }
 
     /// Current value of the input named `name` (a parameter, a state tensor).
-    pub fn input_value(&self, name: &str) -> Option<&HostTensor> {
+    pub fn input_value(&mut self, name: &str) -> Option<&HostTensor> {
+        self.pull_slots().ok()?;
         let i = self.graph.inputs.iter().position(|i| i.name == name)?;
         Some(&self.slots[i])
     }

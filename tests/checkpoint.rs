@@ -46,7 +46,7 @@ fn resuming_is_bitwise_identical_to_not_stopping() {
         first.step().unwrap();
     }
     let path = temp("resume.ckpt");
-    checkpoint::save(&path, &first.checkpoint(run_id(0))).unwrap();
+    checkpoint::save(&path, &first.checkpoint(run_id(0)).unwrap()).unwrap();
 
     let mut resumed = trainer(0);
     resumed
@@ -57,25 +57,23 @@ fn resuming_is_bitwise_identical_to_not_stopping() {
         .map(|_| resumed.step().unwrap().loss.to_bits())
         .collect();
     assert_eq!(rest, losses[3..]);
-    for input in &straight.graph.inputs {
-        if let Some(a) = straight
-            .input_value(&input.name)
-            .filter(|_| input.name.contains("weight"))
-        {
-            assert_eq!(
-                a,
-                resumed.input_value(&input.name).unwrap(),
-                "{}",
-                input.name
-            );
-        }
+    let names: Vec<String> = straight
+        .graph
+        .inputs
+        .iter()
+        .map(|i| i.name.clone())
+        .filter(|n| n.contains("weight"))
+        .collect();
+    for name in names {
+        let a = straight.input_value(&name).unwrap().clone();
+        assert_eq!(&a, resumed.input_value(&name).unwrap(), "{name}");
     }
 }
 
 #[test]
 fn another_runs_checkpoint_is_refused() {
     let path = temp("other.ckpt");
-    checkpoint::save(&path, &trainer(0).checkpoint(run_id(0))).unwrap();
+    checkpoint::save(&path, &trainer(0).checkpoint(run_id(0)).unwrap()).unwrap();
     let err = trainer(1)
         .restore(checkpoint::load(&path).unwrap(), &run_id(1))
         .unwrap_err()
@@ -89,7 +87,7 @@ fn another_runs_checkpoint_is_refused() {
 #[test]
 fn truncated_and_foreign_files_are_refused() {
     let path = temp("whole.ckpt");
-    checkpoint::save(&path, &trainer(0).checkpoint(run_id(0))).unwrap();
+    checkpoint::save(&path, &trainer(0).checkpoint(run_id(0)).unwrap()).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     for cut in [0, 10, 30, bytes.len() / 2, bytes.len() - 1] {
         let p = temp("cut.ckpt");
@@ -164,11 +162,14 @@ fn cli_checkpoint_and_resume() {
     );
 }
 
+/// On the interpreter a failed step's update is never kept, so the state before it is saved.
 #[test]
 fn a_failing_run_keeps_its_last_good_state() {
     let ckpt = temp("diverged.ckpt");
     let o = graphtrain(&[
         "run",
+        "--backend",
+        "reference",
         "--config",
         "tiny",
         "--steps",
@@ -185,6 +186,40 @@ fn a_failing_run_keeps_its_last_good_state() {
         !o.status.success()
             && err.contains("loss is")
             && err.contains("saved the state after step"),
+        "{err}"
+    );
+    let saved = checkpoint::load(&ckpt).unwrap();
+    assert!(saved
+        .tensors
+        .iter()
+        .all(|t| t.data.iter().all(|v| v.is_finite())));
+}
+
+/// On the cpu backend the update happens in place before the loss is known: the run refuses to
+/// overwrite the last checkpoint with the diverged state.
+#[test]
+fn a_failing_compiled_run_does_not_overwrite_its_checkpoint() {
+    let ckpt = temp("diverged-cpu.ckpt");
+    let o = graphtrain(&[
+        "run",
+        "--backend",
+        "cpu",
+        "--config",
+        "tiny",
+        "--steps",
+        "10",
+        "--lr",
+        "1e30",
+        "--data",
+        "fixed",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("loss is") && err.contains("not saving"),
         "{err}"
     );
     let saved = checkpoint::load(&ckpt).unwrap();

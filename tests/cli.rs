@@ -84,7 +84,17 @@ fn unknown_flag_and_backend_are_refused() {
     assert_clean_error(&o, &["--bogus"]);
     assert_eq!(o.status.code(), Some(2));
     let o = graphtrain(&["run", "--config", "tiny", "--backend", "cuda"]);
-    assert_clean_error(&o, &["cuda", "reference"]);
+    assert_clean_error(
+        &o,
+        &["backend `cuda` is not built", "NVIDIA", "--backend cpu"],
+    );
+    let o = graphtrain(&["run", "--config", "tiny", "--backend", "wgpu"]);
+    assert_clean_error(
+        &o,
+        &["backend `wgpu` is not built", "lavapipe", "--backend cpu"],
+    );
+    let o = graphtrain(&["run", "--config", "tiny", "--backend", "tpu"]);
+    assert_clean_error(&o, &["unknown backend `tpu`", "cpu, reference, wgpu, cuda"]);
 }
 
 #[test]

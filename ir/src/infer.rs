@@ -302,7 +302,7 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             let x = &ins[0];
             need_float("the operand", x)?;
             need_rank("the operand ([B, S, H, D])", x, 4)?;
-            if x.shape[3] % 2 != 0 {
+            if !x.shape[3].is_multiple_of(2) {
                 return Err(format!("the head dim must be even, got {x}"));
             }
             one(x.clone())
@@ -406,7 +406,7 @@ fn check_attention(q: &TensorType, k: &TensorType, v: &TensorType) -> Result<(),
             "k {k} must match q {q} in batch, sequence and head dim"
         ));
     }
-    if k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0 {
+    if k.shape[1] == 0 || !q.shape[1].is_multiple_of(k.shape[1]) {
         return Err(format!(
             "query heads ({}) must be a multiple of key/value heads ({})",
             q.shape[1], k.shape[1]

@@ -77,25 +77,60 @@ fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
-/// Plans `g`'s buffers with offsets aligned to `alignment` bytes (a power of two).
+/// Plans `g`'s buffers with offsets aligned to `alignment` bytes (a power of two), one schedule
+/// slot per node, each value stored at its dtype's size.
 pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
+    let slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = g
+        .nodes
+        .iter()
+        .map(|n| (n.inputs.clone(), n.outputs.clone()))
+        .collect();
+    plan(g, &slots, &|v| g.values[v.index()].size_bytes(), alignment)
+}
+
+/// Plans the values a lowered program touches: `slots[i]` is (values read, values written) by
+/// launch `i`; every value takes `elem_bytes` per element. Values no slot touches and that are
+/// not graph inputs or outputs get no buffer.
+pub fn plan_slots(
+    g: &Graph,
+    slots: &[(Vec<ValueId>, Vec<ValueId>)],
+    elem_bytes: usize,
+    alignment: usize,
+) -> BufferPlan {
+    plan(
+        g,
+        slots,
+        &|v| g.values[v.index()].numel() * elem_bytes,
+        alignment,
+    )
+}
+
+fn plan(
+    g: &Graph,
+    slots: &[(Vec<ValueId>, Vec<ValueId>)],
+    size_of: &dyn Fn(ValueId) -> usize,
+    alignment: usize,
+) -> BufferPlan {
     assert!(
         alignment.is_power_of_two(),
         "alignment must be a power of two"
     );
     let n_values = g.values.len();
-    let end = g.nodes.len() + 1;
+    let end = slots.len() + 1;
     let mut def: Vec<Option<usize>> = vec![None; n_values];
     let mut last: Vec<usize> = vec![0; n_values];
     for i in &g.inputs {
         def[i.value.index()] = Some(0);
     }
-    for (k, n) in g.nodes.iter().enumerate() {
-        for o in &n.outputs {
-            def[o.index()] = Some(k + 1);
+    for (k, (reads, writes)) in slots.iter().enumerate() {
+        for o in writes {
+            // A value written by several launches (the pieces of a concat) lives from the first.
+            if def[o.index()].is_none() {
+                def[o.index()] = Some(k + 1);
+            }
             last[o.index()] = last[o.index()].max(k + 1);
         }
-        for v in &n.inputs {
+        for v in reads {
             last[v.index()] = last[v.index()].max(k + 1);
         }
     }
@@ -112,7 +147,7 @@ pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
         buffers.push(Placement {
             values: vec![ValueId(v as u32)],
             offset: 0,
-            bytes: g.values[v].size_bytes(),
+            bytes: size_of(ValueId(v as u32)),
             live: (*d, last[v].max(*d)),
         });
     }

@@ -1,7 +1,9 @@
-//! graphtrain's lowering: from an optimized graph toward a program a backend runs. Today it holds
-//! the buffer planner (`buffer_plan`); the kernel library and program construction arrive with the
-//! cubecl backends (see docs/cubecl-notes.md).
+//! graphtrain's lowering: from an optimized graph to a `Program` a backend runs — the kernel
+//! launches in order (`program`) over one planned arena (`buffer_plan`). Backend-neutral: the
+//! kernels themselves live in `graphtrain-runtime`.
 
 pub mod buffer_plan;
+pub mod program;
 
-pub use buffer_plan::{plan_buffers, BufferPlan, Placement};
+pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
+pub use program::{lower, Expr, LowerError, MapInput, Mode, Program, ReduceKind, Step, View};

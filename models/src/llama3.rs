@@ -131,19 +131,19 @@ impl Llama3Config {
                 return Err(format!("`{name}` must be positive"));
             }
         }
-        if self.dim % self.n_heads != 0 {
+        if !self.dim.is_multiple_of(self.n_heads) {
             return Err(format!(
                 "`dim` ({}) must be divisible by `n_heads` ({})",
                 self.dim, self.n_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "the head dim dim/n_heads = {} must be even for RoPE",
                 self.head_dim()
             ));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "`n_heads` ({}) must be a multiple of `n_kv_heads` ({})",
                 self.n_heads, self.n_kv_heads

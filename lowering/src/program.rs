@@ -1,0 +1,1092 @@
+//! Graph -> Program: the ordered kernel launches a backend runs for one train step.
+//!
+//! What it does:
+//! - legalizes the graph: composites are decomposed to primitives (`graphtrain_ir::decompose`),
+//!   so every backend needs only the primitive kernels below;
+//! - resolves layout ops to views: `reshape` of a contiguous value, `transpose`, `slice` and
+//!   `expand` become strided reads of their source instead of copies where the consumer accepts a
+//!   strided operand (matmul, copy, reduce) — in `Fused` mode only;
+//! - fuses elementwise chains (`FusedElementwise` mode, opt-in, tier 2): a value with one
+//!   elementwise consumer is computed inside that consumer's kernel instead of going through
+//!   memory;
+//! - plans one arena for all materialized values (`plan_slots`), parameters and optimizer state
+//!   updated in place.
+//!
+//! Guarantees: `Eager` mode launches one kernel per graph node, each reading and writing whole
+//! contiguous buffers; `Fused` mode runs the same per-element arithmetic in the same order (a
+//! folded transpose only changes where a kernel or the GEMM reads; the GEMM's summation order
+//! does not depend on operand layout), so both give bitwise identical results on one backend —
+//! the gate in tests/backend_cpu.rs checks it. `FusedElementwise` is not bitwise (see `Mode`).
+//!
+//! Declines (with an error naming the node): dtypes other than f32 / i32 / bool, integer tensors
+//! whose values cannot be held exactly by the f32 storage the kernels use (see `Storage`).
+
+use crate::buffer_plan::{plan_slots, BufferPlan};
+use graphtrain_ir::decompose::decompose;
+use graphtrain_ir::{interp, BinaryOp, CompareOp, DType, Graph, HostTensor, Op, UnaryOp, ValueId};
+use std::fmt;
+
+/// How a Program is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One kernel per primitive node, every value materialized: the numerics baseline.
+    Eager,
+    /// Layout views: transposes, slices and reshapes read in place (a transpose feeding a
+    /// matmul becomes the GEMM's operand strides). Bitwise identical to `Eager`.
+    Fused,
+    /// `Fused` plus elementwise chains inlined into one kernel. Numerics-changing (tier 2): the
+    /// results differ from `Eager` in the last bits — inside one JIT-compiled kernel LLVM may
+    /// contract a multiply and an add into one FMA (suspected, not yet confirmed), so it is
+    /// opt-in until the contraction is controlled.
+    FusedElementwise,
+}
+
+/// A strided read of (part of) a materialized value: element `idx` of the view lives at
+/// `offset + sum(idx[d] * strides[d])` elements into `base`'s buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct View {
+    pub base: ValueId,
+    pub offset: usize,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+}
+
+impl View {
+    pub fn contiguous(base: ValueId, shape: &[usize]) -> View {
+        View {
+            base,
+            offset: 0,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.offset == 0 && self.strides == contiguous_strides(&self.shape)
+    }
+
+    /// The view with unit dimensions dropped and neighbours that walk memory as one dimension
+    /// merged; kernels loop over fewer, longer dimensions.
+    pub fn collapsed(&self) -> (Vec<usize>, Vec<usize>) {
+        collapse(&self.shape, &[&self.strides])
+            .into_iter()
+            .map(|(d, s)| (d, s[0]))
+            .unzip()
+    }
+}
+
+/// Merges adjacent dims that are contiguous with each other in every operand.
+pub fn collapse(shape: &[usize], strides: &[&[usize]]) -> Vec<(usize, Vec<usize>)> {
+    let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
+    for d in 0..shape.len() {
+        if shape[d] == 1 {
+            continue;
+        }
+        let st: Vec<usize> = strides.iter().map(|s| s[d]).collect();
+        if let Some((n, prev)) = out.last_mut() {
+            if prev.iter().zip(&st).all(|(p, s)| *p == s * shape[d]) {
+                *n *= shape[d];
+                *prev = st;
+                continue;
+            }
+        }
+        out.push((shape[d], st));
+    }
+    out
+}
+
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+/// An elementwise expression over the inputs of a `Map` step, evaluated in f32. Booleans are
+/// 1.0 / 0.0 and integers their exact f32 value (see `Storage`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Expr {
+    /// Input `k` of the step at the current element (or its only element, when broadcast).
+    Input(u32),
+    /// A constant, as f32 bits.
+    Const(u32),
+    Unary(UnaryOp, Box<Expr>),
+    Binary(BinaryOp, Box<Expr>, Box<Expr>),
+    Compare(CompareOp, Box<Expr>, Box<Expr>),
+    /// `if c != 0 { a } else { b }`.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// Float -> integer conversion (towards zero, as the interpreter's `as i32`).
+    Trunc(Box<Expr>),
+    /// Float -> bool (`x != 0`).
+    NonZero(Box<Expr>),
+}
+
+impl Expr {
+    pub fn constant(x: f64) -> Expr {
+        Expr::Const((x as f32).to_bits())
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Expr::Input(_) | Expr::Const(_) => 1,
+            Expr::Unary(_, a) | Expr::Trunc(a) | Expr::NonZero(a) => 1 + a.size(),
+            Expr::Binary(_, a, b) | Expr::Compare(_, a, b) => 1 + a.size() + b.size(),
+            Expr::Select(c, a, b) => 1 + c.size() + a.size() + b.size(),
+        }
+    }
+
+    fn shift_inputs(self, by: u32) -> Expr {
+        let s = |e: Box<Expr>| Box::new(e.shift_inputs(by));
+        match self {
+            Expr::Input(k) => Expr::Input(k + by),
+            Expr::Const(c) => Expr::Const(c),
+            Expr::Unary(u, a) => Expr::Unary(u, s(a)),
+            Expr::Trunc(a) => Expr::Trunc(s(a)),
+            Expr::NonZero(a) => Expr::NonZero(s(a)),
+            Expr::Binary(o, a, b) => Expr::Binary(o, s(a), s(b)),
+            Expr::Compare(o, a, b) => Expr::Compare(o, s(a), s(b)),
+            Expr::Select(c, a, b) => Expr::Select(s(c), s(a), s(b)),
+        }
+    }
+
+    /// Replaces `Input(k)` by `with[k]`.
+    fn substitute(self, with: &[Expr]) -> Expr {
+        let s = |e: Box<Expr>| Box::new(e.substitute(with));
+        match self {
+            Expr::Input(k) => with[k as usize].clone(),
+            Expr::Const(c) => Expr::Const(c),
+            Expr::Unary(u, a) => Expr::Unary(u, s(a)),
+            Expr::Trunc(a) => Expr::Trunc(s(a)),
+            Expr::NonZero(a) => Expr::NonZero(s(a)),
+            Expr::Binary(o, a, b) => Expr::Binary(o, s(a), s(b)),
+            Expr::Compare(o, a, b) => Expr::Compare(o, s(a), s(b)),
+            Expr::Select(c, a, b) => Expr::Select(s(c), s(a), s(b)),
+        }
+    }
+}
+
+/// One input of a `Map`: a whole contiguous value, or its single element broadcast.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MapInput {
+    pub value: ValueId,
+    pub broadcast: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    Sum,
+    Max,
+}
+
+/// One launch. Values named here are materialized in the arena; outputs are contiguous.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// `out[i] = expr(inputs at i)` for `i < len`.
+    Map {
+        out: ValueId,
+        len: usize,
+        inputs: Vec<MapInput>,
+        expr: Expr,
+    },
+    /// Writes `src` into the region `dst` of a value (the whole of it unless it is a concat).
+    Copy { dst: View, src: View },
+    /// `out[o] = reduce over r of src[o, r]`: `src`'s leading `out_rank` dims are the output's,
+    /// the rest are reduced, in index order.
+    Reduce {
+        kind: ReduceKind,
+        out: ValueId,
+        src: View,
+        out_rank: usize,
+    },
+    /// `out[b] = a[b] @ b[b]`, views of rank 3 `[batch, rows, cols]` (batch stride 0: shared).
+    Matmul {
+        out: ValueId,
+        a: View,
+        b: View,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    },
+    /// `out[pos] = src[pos with axis replaced by index[pos]]`.
+    Gather {
+        out: ValueId,
+        src: ValueId,
+        index: ValueId,
+        axis: usize,
+    },
+    /// `out = src; out[pos with axis replaced by index[pos]] += add[pos]`, in index order.
+    ScatterAdd {
+        out: ValueId,
+        src: ValueId,
+        index: ValueId,
+        add: ValueId,
+        axis: usize,
+    },
+    /// `out[i] = (i / inner) % dim`.
+    Iota {
+        out: ValueId,
+        inner: usize,
+        dim: usize,
+    },
+    /// Counter-based random draws (`graphtrain_ir::rng`) from the seed tensor's first element.
+    Random {
+        out: ValueId,
+        seed: ValueId,
+        stream: u64,
+        normal: bool,
+    },
+}
+
+impl Step {
+    /// Values this step reads from memory.
+    pub fn reads(&self) -> Vec<ValueId> {
+        match self {
+            Step::Map { inputs, .. } => inputs.iter().map(|i| i.value).collect(),
+            Step::Copy { src, .. } => vec![src.base],
+            Step::Reduce { src, .. } => vec![src.base],
+            Step::Matmul { a, b, .. } => vec![a.base, b.base],
+            Step::Gather { src, index, .. } => vec![*src, *index],
+            Step::ScatterAdd {
+                src, index, add, ..
+            } => vec![*src, *index, *add],
+            Step::Iota { .. } => vec![],
+            Step::Random { seed, .. } => vec![*seed],
+        }
+    }
+
+    /// The value this step writes.
+    pub fn writes(&self) -> ValueId {
+        match self {
+            Step::Map { out, .. }
+            | Step::Reduce { out, .. }
+            | Step::Matmul { out, .. }
+            | Step::Gather { out, .. }
+            | Step::ScatterAdd { out, .. }
+            | Step::Iota { out, .. }
+            | Step::Random { out, .. } => *out,
+            Step::Copy { dst, .. } => dst.base,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Step::Map { .. } => "map",
+            Step::Copy { .. } => "copy",
+            Step::Reduce { .. } => "reduce",
+            Step::Matmul { .. } => "matmul",
+            Step::Gather { .. } => "gather",
+            Step::ScatterAdd { .. } => "scatter_add",
+            Step::Iota { .. } => "iota",
+            Step::Random { .. } => "random",
+        }
+    }
+}
+
+/// The storage every backend uses today: 4 bytes per element, f32 for floats, and integers and
+/// booleans as the f32 holding their exact value, so one set of f32 kernels serves every op.
+/// Integers beyond 2^24 cannot be held exactly and are refused where they can be seen (inputs,
+/// iota sizes).
+pub const ELEM_BYTES: usize = 4;
+/// Largest integer the f32 storage holds exactly.
+pub const MAX_EXACT_INT: usize = 1 << 24;
+/// Arena offsets are aligned to this many bytes (a cache line; also a whole number of the
+/// widest vectors the kernels use).
+pub const ARENA_ALIGN: usize = 64;
+
+#[derive(Clone, Debug)]
+pub struct Program {
+    /// The legalized graph (primitives only) the steps refer to.
+    pub graph: Graph,
+    pub steps: Vec<Step>,
+    pub plan: BufferPlan,
+    pub mode: Mode,
+    /// Values that depend on no input (rope tables, masks, constants), computed once at lowering
+    /// by the interpreter and written into the arena when the program loads. They keep their
+    /// buffers for the whole program.
+    pub constants: Vec<(ValueId, HostTensor)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LowerError {
+    pub node: Option<usize>,
+    pub module: String,
+    pub message: String,
+}
+
+impl fmt::Display for LowerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.node {
+            Some(n) if !self.module.is_empty() => {
+                write!(
+                    f,
+                    "lowering node {n} (in {}): {}",
+                    self.module, self.message
+                )
+            }
+            Some(n) => write!(f, "lowering node {n}: {}", self.message),
+            None => write!(f, "lowering: {}", self.message),
+        }
+    }
+}
+
+impl std::error::Error for LowerError {}
+
+impl Program {
+    /// Elements in the arena (4 bytes each).
+    pub fn arena_elems(&self) -> usize {
+        self.plan.arena_bytes / ELEM_BYTES
+    }
+
+    /// Element offset of a materialized value.
+    pub fn elem_offset(&self, v: ValueId) -> usize {
+        self.plan
+            .offset_of(v)
+            .unwrap_or_else(|| panic!("value {v:?} ({}) has no planned buffer", self.graph.ty(v)))
+            / ELEM_BYTES
+    }
+
+    /// Counts of steps by kind, for reports.
+    pub fn summary(&self) -> String {
+        let mut counts: Vec<(&str, usize)> = Vec::new();
+        for s in &self.steps {
+            match counts.iter_mut().find(|(k, _)| *k == s.kind()) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((s.kind(), 1)),
+            }
+        }
+        let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        format!("{} launches ({})", self.steps.len(), parts.join(", "))
+    }
+}
+
+/// Lowers a verified train-step graph.
+pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
+    let graph = decompose(g, &|op| op.is_composite()).map_err(|e| LowerError {
+        node: None,
+        module: e.module.clone(),
+        message: format!("decomposing composites failed: {e}"),
+    })?;
+    let (folded, constants) = fold_constants(&graph)?;
+    check_dtypes(&graph, &folded)?;
+    let steps = match mode {
+        Mode::Eager => eager_steps(&graph, &folded)?,
+        Mode::Fused => fused_steps(&graph, &folded, false)?,
+        Mode::FusedElementwise => fused_steps(&graph, &folded, true)?,
+    };
+    // Constants are written at load and read by every run: live from the first slot to the last.
+    let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
+    let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
+    slots.extend(steps.iter().map(|s| (s.reads(), vec![s.writes()])));
+    slots.push((const_ids, Vec::new()));
+    let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
+    Ok(Program {
+        graph,
+        steps,
+        plan,
+        mode,
+        constants,
+    })
+}
+
+/// Marks the nodes computable without any graph input (random draws excluded: their seed is an
+/// input), and evaluates, with the interpreter, the folded values that unfolded nodes read.
+/// Per node: folded; and the folded values the program needs, with their contents.
+type Folding = (Vec<bool>, Vec<(ValueId, HostTensor)>);
+
+fn fold_constants(g: &Graph) -> Result<Folding, LowerError> {
+    let mut is_const = vec![false; g.values.len()];
+    let mut folded = vec![false; g.nodes.len()];
+    for (k, n) in g.nodes.iter().enumerate() {
+        let random = matches!(n.op, Op::RandomUniform { .. } | Op::RandomNormal { .. });
+        if !random && n.inputs.iter().all(|v| is_const[v.index()]) {
+            folded[k] = true;
+            for o in &n.outputs {
+                is_const[o.index()] = true;
+            }
+        }
+    }
+    // Folded values read by an unfolded node or returned by the graph.
+    let mut needed: Vec<ValueId> = Vec::new();
+    let push = |v: ValueId, needed: &mut Vec<ValueId>| {
+        if is_const[v.index()] && !needed.contains(&v) {
+            needed.push(v);
+        }
+    };
+    for (k, n) in g.nodes.iter().enumerate() {
+        if !folded[k] {
+            for &v in &n.inputs {
+                push(v, &mut needed);
+            }
+        }
+    }
+    for o in &g.outputs {
+        push(o.value, &mut needed);
+    }
+    if needed.is_empty() {
+        return Ok((folded, Vec::new()));
+    }
+    // The folded nodes as a graph of their own, run once by the interpreter.
+    let mut sub = Graph::new("constants");
+    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    for (k, n) in g.nodes.iter().enumerate() {
+        if !folded[k] {
+            continue;
+        }
+        let ins: Vec<ValueId> = n
+            .inputs
+            .iter()
+            .map(|v| map[v.index()].expect("folded"))
+            .collect();
+        let types = n.outputs.iter().map(|o| g.ty(*o).clone()).collect();
+        let outs = sub.push_typed(n.op.clone(), ins, types, n.meta.clone());
+        for (o, new) in n.outputs.iter().zip(outs) {
+            map[o.index()] = Some(new);
+        }
+    }
+    for (i, v) in needed.iter().enumerate() {
+        sub.add_output(format!("c{i}"), map[v.index()].expect("folded"), None);
+    }
+    let out = interp::run(&sub, &[]).map_err(|e| LowerError {
+        node: None,
+        module: String::new(),
+        message: format!("evaluating the graph's constants failed: {e}"),
+    })?;
+    for (v, t) in needed.iter().zip(&out.outputs) {
+        let d = g.ty(*v).dtype;
+        if !matches!(d, DType::F32 | DType::I32 | DType::Bool) {
+            return Err(LowerError {
+                node: None,
+                module: String::new(),
+                message: format!("a {d} constant reaches a kernel: the compiled backends hold f32, i32 and bool tensors"),
+            });
+        }
+        if !d.is_float() && t.data.iter().any(|x| x.abs() > MAX_EXACT_INT as f64) {
+            return Err(LowerError {
+                node: None,
+                module: String::new(),
+                message:
+                    "an integer constant exceeds 2^24, which the f32 storage cannot hold exactly"
+                        .into(),
+            });
+        }
+    }
+    Ok((folded, needed.into_iter().zip(out.outputs).collect()))
+}
+
+fn err(g: &Graph, node: usize, message: String) -> LowerError {
+    LowerError {
+        node: Some(node),
+        module: g.nodes[node].meta.module.clone(),
+        message,
+    }
+}
+
+fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
+    let ok = |d: DType| matches!(d, DType::F32 | DType::I32 | DType::Bool);
+    for i in &g.inputs {
+        let d = g.ty(i.value).dtype;
+        if !ok(d) {
+            return Err(LowerError {
+                node: None,
+                module: String::new(),
+                message: format!(
+                    "input `{}` is {d}: the compiled backends support f32, i32 and bool tensors today (bf16/f64/i64 run on --backend reference)",
+                    i.name
+                ),
+            });
+        }
+    }
+    for (k, n) in g.nodes.iter().enumerate() {
+        if folded[k] {
+            continue;
+        }
+        for o in &n.outputs {
+            let d = g.ty(*o).dtype;
+            if !ok(d) {
+                return Err(err(
+                    g,
+                    k,
+                    format!(
+                        "{} produces {d}: the compiled backends support f32, i32 and bool tensors today (bf16/f64/i64 run on --backend reference)",
+                        n.op.name()
+                    ),
+                ));
+            }
+        }
+        if let Op::Iota { shape, .. } = &n.op {
+            if shape.iter().any(|&d| d > MAX_EXACT_INT) {
+                return Err(err(g, k, format!("iota over {shape:?} exceeds the exact integer range of the f32 storage (2^24)")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The elementwise expression of a node over its operands, if it is elementwise.
+fn elementwise_expr(g: &Graph, k: usize) -> Option<Expr> {
+    let n = &g.nodes[k];
+    let i = |j: u32| Box::new(Expr::Input(j));
+    Some(match &n.op {
+        Op::Unary(u) => Expr::Unary(*u, i(0)),
+        Op::Binary(b) => Expr::Binary(*b, i(0), i(1)),
+        Op::Compare(c) => Expr::Compare(*c, i(0), i(1)),
+        Op::Select => Expr::Select(i(0), i(1), i(2)),
+        Op::AddScalar { value } => {
+            Expr::Binary(BinaryOp::Add, i(0), Box::new(Expr::constant(*value)))
+        }
+        Op::MulScalar { value } => {
+            Expr::Binary(BinaryOp::Mul, i(0), Box::new(Expr::constant(*value)))
+        }
+        Op::PowScalar { exponent } => {
+            Expr::Binary(BinaryOp::Pow, i(0), Box::new(Expr::constant(*exponent)))
+        }
+        Op::Cast { dtype } => {
+            let from = g.ty(n.inputs[0]).dtype;
+            match (from, dtype) {
+                (DType::F32, DType::I32) => Expr::Trunc(i(0)),
+                (DType::F32 | DType::I32, DType::Bool) => Expr::NonZero(i(0)),
+                _ => Expr::Input(0),
+            }
+        }
+        Op::Offload | Op::Reload => Expr::Input(0),
+        Op::Full { value, .. } => Expr::constant(round_for(g.ty(n.outputs[0]).dtype, *value)),
+        // Broadcasting one element is elementwise too.
+        Op::Expand { .. } if g.ty(n.inputs[0]).numel() == 1 => Expr::Input(0),
+        _ => return None,
+    })
+}
+
+fn round_for(d: DType, x: f64) -> f64 {
+    graphtrain_ir::interp::round_to_dtype(d, x)
+}
+
+/// Eager: one step per node, every operand and result a whole contiguous buffer.
+#[allow(clippy::needless_range_loop)] // `k` names the node in errors and in `structural_steps`
+fn eager_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
+    let mut steps = Vec::with_capacity(g.nodes.len());
+    for k in 0..g.nodes.len() {
+        if folded[k] {
+            continue;
+        }
+        let n = &g.nodes[k];
+        let out = n.outputs[0];
+        let out_len = g.ty(out).numel();
+        if let Some(expr) = elementwise_expr(g, k) {
+            let inputs = n
+                .inputs
+                .iter()
+                .map(|&v| MapInput {
+                    value: v,
+                    broadcast: g.ty(v).numel() == 1 && out_len != 1,
+                })
+                .collect();
+            steps.push(Step::Map {
+                out,
+                len: out_len,
+                inputs,
+                expr,
+            });
+            continue;
+        }
+        let whole = |v: ValueId| View::contiguous(v, &g.ty(v).shape);
+        steps.extend(structural_steps(g, k, &whole)?);
+    }
+    Ok(steps)
+}
+
+/// Steps for the non-elementwise node `k`, reading operands through `view_of`.
+fn structural_steps(
+    g: &Graph,
+    k: usize,
+    view_of: &dyn Fn(ValueId) -> View,
+) -> Result<Vec<Step>, LowerError> {
+    let n = &g.nodes[k];
+    let out = n.outputs[0];
+    let out_shape = g.ty(out).shape.clone();
+    let whole_out = View::contiguous(out, &out_shape);
+    let step = match &n.op {
+        Op::Reshape { .. } => {
+            let src = view_of(n.inputs[0]);
+            match reshape_view(&src, &out_shape) {
+                Some(v) => Step::Copy {
+                    dst: whole_out,
+                    src: v,
+                },
+                // A reshape keeps row-major order: writing the source, walked in its own shape,
+                // contiguously into the output is the reshape.
+                None => Step::Copy {
+                    dst: View::contiguous(out, &src.shape),
+                    src,
+                },
+            }
+        }
+        Op::Transpose { perm } => Step::Copy {
+            dst: whole_out,
+            src: transpose_view(&view_of(n.inputs[0]), perm),
+        },
+        Op::Expand { .. } => Step::Copy {
+            dst: whole_out,
+            src: expand_view(&view_of(n.inputs[0]), &out_shape),
+        },
+        Op::Slice { axis, start, .. } => Step::Copy {
+            dst: whole_out,
+            src: slice_view(&view_of(n.inputs[0]), *axis, *start, out_shape[*axis]),
+        },
+        Op::Concat { axis } => {
+            let mut at = 0;
+            let mut steps = Vec::new();
+            for &v in &n.inputs {
+                let len = g.ty(v).shape[*axis];
+                steps.push(Step::Copy {
+                    dst: slice_view(&whole_out, *axis, at, len),
+                    src: view_of(v),
+                });
+                at += len;
+            }
+            return Ok(steps);
+        }
+        Op::ReduceSum { axes, .. } | Op::ReduceMax { axes, .. } => {
+            let kind = if matches!(n.op, Op::ReduceSum { .. }) {
+                ReduceKind::Sum
+            } else {
+                ReduceKind::Max
+            };
+            let src = view_of(n.inputs[0]);
+            // Kept axes first, reduced axes last, each group in order.
+            let rank = src.shape.len();
+            let mut perm: Vec<usize> = (0..rank).filter(|d| !axes.contains(d)).collect();
+            let out_rank = perm.len();
+            perm.extend((0..rank).filter(|d| axes.contains(d)));
+            Step::Reduce {
+                kind,
+                out,
+                src: transpose_view(&src, &perm),
+                out_rank,
+            }
+        }
+        Op::Matmul => {
+            let a = view_of(n.inputs[0]);
+            let b = view_of(n.inputs[1]);
+            let ra = a.shape.len();
+            let (m, kk) = (a.shape[ra - 2], a.shape[ra - 1]);
+            let nn = b.shape[b.shape.len() - 1];
+            let batch: usize = a.shape[..ra - 2].iter().product();
+            let (a3, b3) = match (as_batched(&a, batch), as_batched(&b, batch)) {
+                (Some(a3), Some(b3)) => (a3, b3),
+                _ => {
+                    return Err(err(
+                        g,
+                        k,
+                        "internal error: matmul operand view has no batched form".into(),
+                    ))
+                }
+            };
+            Step::Matmul {
+                out,
+                a: a3,
+                b: b3,
+                batch,
+                m,
+                n: nn,
+                k: kk,
+            }
+        }
+        Op::Gather { axis } => Step::Gather {
+            out,
+            src: n.inputs[0],
+            index: n.inputs[1],
+            axis: *axis,
+        },
+        Op::ScatterAdd { axis } => Step::ScatterAdd {
+            out,
+            src: n.inputs[0],
+            index: n.inputs[1],
+            add: n.inputs[2],
+            axis: *axis,
+        },
+        Op::Iota { shape, axis, .. } => Step::Iota {
+            out,
+            inner: shape[axis + 1..].iter().product(),
+            dim: shape[*axis],
+        },
+        Op::RandomUniform { stream, .. } | Op::RandomNormal { stream, .. } => Step::Random {
+            out,
+            seed: n.inputs[0],
+            stream: *stream,
+            normal: matches!(n.op, Op::RandomNormal { .. }),
+        },
+        other => {
+            return Err(err(
+                g,
+                k,
+                format!(
+                    "no kernel for `{}` (it should have been decomposed)",
+                    other.name()
+                ),
+            ))
+        }
+    };
+    Ok(vec![step])
+}
+
+pub fn transpose_view(v: &View, perm: &[usize]) -> View {
+    View {
+        base: v.base,
+        offset: v.offset,
+        shape: perm.iter().map(|&p| v.shape[p]).collect(),
+        strides: perm.iter().map(|&p| v.strides[p]).collect(),
+    }
+}
+
+pub fn expand_view(v: &View, shape: &[usize]) -> View {
+    View {
+        base: v.base,
+        offset: v.offset,
+        shape: shape.to_vec(),
+        strides: v
+            .shape
+            .iter()
+            .zip(&v.strides)
+            .map(|(&d, &s)| if d == 1 { 0 } else { s })
+            .collect(),
+    }
+}
+
+pub fn slice_view(v: &View, axis: usize, start: usize, len: usize) -> View {
+    let mut s = v.clone();
+    s.offset += start * v.strides[axis];
+    s.shape[axis] = len;
+    s
+}
+
+/// A reshape of a view as one strided view, when the split/merged dims allow it.
+pub fn reshape_view(v: &View, shape: &[usize]) -> Option<View> {
+    if v.is_contiguous() {
+        return Some(View::contiguous(v.base, shape));
+    }
+    // Walk both shapes, matching groups of equal element counts; a group of source dims must be
+    // mergeable (contiguous among themselves) to be re-split.
+    let src: Vec<(usize, usize)> = v
+        .shape
+        .iter()
+        .zip(&v.strides)
+        .filter(|(d, _)| **d != 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
+    let mut strides = vec![0; shape.len()];
+    let (mut i, mut j) = (0, 0);
+    while j < shape.len() {
+        if shape[j] == 1 {
+            j += 1;
+            continue;
+        }
+        if i >= src.len() {
+            return None;
+        }
+        // Grow a group until the counts match.
+        let (mut sn, mut dn) = (src[i].0, shape[j]);
+        let (i0, j0) = (i, j);
+        while sn != dn {
+            if sn < dn {
+                i += 1;
+                if i >= src.len() {
+                    return None;
+                }
+                if src[i - 1].1 != src[i].1 * src[i].0 {
+                    return None;
+                }
+                sn *= src[i].0;
+            } else {
+                j += 1;
+                if j >= shape.len() {
+                    return None;
+                }
+                dn *= shape[j];
+            }
+        }
+        // The group's innermost stride, re-split over destination dims j0..=j.
+        let mut stride = src[i].1;
+        for d in (j0..=j).rev() {
+            strides[d] = stride;
+            stride *= shape[d];
+        }
+        let _ = i0;
+        i += 1;
+        j += 1;
+    }
+    if i != src.len() {
+        return None;
+    }
+    Some(View {
+        base: v.base,
+        offset: v.offset,
+        shape: shape.to_vec(),
+        strides,
+    })
+}
+
+/// `[..batch, r, c]` as `[batch, r, c]` (a rank-2 view is shared: batch stride 0).
+fn as_batched(v: &View, batch: usize) -> Option<View> {
+    let r = v.shape.len();
+    if r == 2 {
+        return Some(View {
+            base: v.base,
+            offset: v.offset,
+            shape: vec![batch, v.shape[0], v.shape[1]],
+            strides: vec![0, v.strides[0], v.strides[1]],
+        });
+    }
+    let lead = View {
+        base: v.base,
+        offset: v.offset,
+        shape: v.shape[..r - 2].to_vec(),
+        strides: v.strides[..r - 2].to_vec(),
+    };
+    let (dims, strides) = lead.collapsed();
+    let bs = match dims.len() {
+        0 => 0,
+        1 => strides[0],
+        _ => return None,
+    };
+    Some(View {
+        base: v.base,
+        offset: v.offset,
+        shape: vec![batch, v.shape[r - 2], v.shape[r - 1]],
+        strides: vec![bs, v.strides[r - 2], v.strides[r - 1]],
+    })
+}
+
+/// Most inputs a fused kernel reads (the kernels take this many offset arguments).
+pub const MAX_MAP_INPUTS: usize = 6;
+/// Largest fused expression, in nodes: bounds JIT time and register pressure.
+const MAX_EXPR_NODES: usize = 48;
+
+/// Fused: layout ops become views where every consumer can read strided; with
+/// `inline_elementwise`, elementwise chains become one `Map` each; the rest as in eager.
+#[allow(clippy::needless_range_loop)] // `k` names the node in errors and in `structural_steps`
+fn fused_steps(
+    g: &Graph,
+    folded: &[bool],
+    inline_elementwise: bool,
+) -> Result<Vec<Step>, LowerError> {
+    let nv = g.values.len();
+    let mut consumers: Vec<Vec<usize>> = vec![Vec::new(); nv];
+    for (k, n) in g.nodes.iter().enumerate() {
+        for v in &n.inputs {
+            consumers[v.index()].push(k);
+        }
+    }
+    let mut is_output = vec![false; nv];
+    for o in &g.outputs {
+        is_output[o.value.index()] = true;
+    }
+    let producer = {
+        let mut p = vec![None; nv];
+        for (k, n) in g.nodes.iter().enumerate() {
+            for o in &n.outputs {
+                p[o.index()] = Some(k);
+            }
+        }
+        p
+    };
+
+    // Views: values that are a strided read of another materialized value.
+    let mut view: Vec<Option<View>> = vec![None; nv];
+    let view_of = |view: &Vec<Option<View>>, v: ValueId| -> View {
+        view[v.index()]
+            .clone()
+            .unwrap_or_else(|| View::contiguous(v, &g.ty(v).shape))
+    };
+    // Elementwise expressions over materialized values, for values that are inlined.
+    let mut inlined: Vec<Option<(Expr, Vec<MapInput>)>> = vec![None; nv];
+    let mut steps = Vec::new();
+
+    for k in 0..g.nodes.len() {
+        if folded[k] {
+            continue;
+        }
+        let n = &g.nodes[k];
+        let out = n.outputs[0];
+        let out_ty = g.ty(out);
+        let out_len = out_ty.numel();
+        let cons = &consumers[out.index()];
+        let single_elementwise_consumer = inline_elementwise
+            && !is_output[out.index()]
+            && cons.len() == 1
+            && elementwise_expr(g, cons[0]).is_some()
+            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len;
+
+        if let Some(expr) = elementwise_expr(g, k) {
+            // Compose with inlined producers.
+            let mut inputs: Vec<MapInput> = Vec::new();
+            let mut parts: Vec<Expr> = Vec::new();
+            for &v in &n.inputs {
+                let broadcast = g.ty(v).numel() == 1 && out_len != 1;
+                match (&inlined[v.index()], broadcast) {
+                    (Some((e, ins)), false) => {
+                        let shifted = e.clone().shift_inputs(inputs.len() as u32);
+                        inputs.extend(ins.iter().cloned());
+                        parts.push(shifted);
+                    }
+                    _ => {
+                        parts.push(Expr::Input(inputs.len() as u32));
+                        inputs.push(MapInput {
+                            value: v,
+                            broadcast,
+                        });
+                    }
+                }
+            }
+            let expr = expr.substitute(&parts);
+            let (expr, inputs) = dedup_inputs(expr, inputs);
+            if single_elementwise_consumer
+                && inputs.len() <= MAX_MAP_INPUTS
+                && expr.size() <= MAX_EXPR_NODES
+            {
+                inlined[out.index()] = Some((expr, inputs));
+            } else if inputs.len() <= MAX_MAP_INPUTS {
+                steps.push(Step::Map {
+                    out,
+                    len: out_len,
+                    inputs,
+                    expr,
+                });
+            } else {
+                // Too many operands for one kernel: materialize the inlined producers first.
+                let mut direct = Vec::new();
+                for &v in &n.inputs {
+                    if let Some((e, ins)) = inlined[v.index()].take() {
+                        steps.push(Step::Map {
+                            out: v,
+                            len: g.ty(v).numel(),
+                            inputs: ins,
+                            expr: e,
+                        });
+                    }
+                    direct.push(MapInput {
+                        value: v,
+                        broadcast: g.ty(v).numel() == 1 && out_len != 1,
+                    });
+                }
+                let expr = elementwise_expr(g, k).expect("checked above");
+                steps.push(Step::Map {
+                    out,
+                    len: out_len,
+                    inputs: direct,
+                    expr,
+                });
+            }
+            continue;
+        }
+
+        // Layout ops become views when every consumer reads through a view (not a Map, which
+        // needs contiguous operands) and the value is not a graph output.
+        let is_layout = matches!(
+            n.op,
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Expand { .. }
+        );
+        if is_layout && !is_output[out.index()] {
+            let src = view_of(&view, n.inputs[0]);
+            let v = match &n.op {
+                Op::Reshape { .. } => reshape_view(&src, &out_ty.shape),
+                Op::Transpose { perm } => Some(transpose_view(&src, perm)),
+                Op::Slice { axis, start, .. } => {
+                    Some(slice_view(&src, *axis, *start, out_ty.shape[*axis]))
+                }
+                Op::Expand { .. } => Some(expand_view(&src, &out_ty.shape)),
+                _ => None,
+            };
+            // A numel-1 expand is a Map (a broadcast read), which needs its operand materialized.
+            let readers_take_views = cons.iter().all(|&c| {
+                elementwise_expr(g, c).is_none()
+                    && matches!(
+                        g.nodes[c].op,
+                        Op::Matmul
+                            | Op::Reshape { .. }
+                            | Op::Transpose { .. }
+                            | Op::Slice { .. }
+                            | Op::Expand { .. }
+                            | Op::ReduceSum { .. }
+                            | Op::ReduceMax { .. }
+                            | Op::Concat { .. }
+                    )
+            });
+            if let (Some(v), true) = (v, readers_take_views) {
+                // A matmul reads views whose batch dims collapse; check before committing.
+                let matmul_ok = cons.iter().all(|&c| {
+                    if !matches!(g.nodes[c].op, Op::Matmul) {
+                        return true;
+                    }
+                    let r = v.shape.len();
+                    r == 2 || {
+                        let lead = View {
+                            base: v.base,
+                            offset: v.offset,
+                            shape: v.shape[..r - 2].to_vec(),
+                            strides: v.strides[..r - 2].to_vec(),
+                        };
+                        lead.collapsed().0.len() <= 1
+                    }
+                });
+                if matmul_ok {
+                    view[out.index()] = Some(v);
+                    continue;
+                }
+            }
+        }
+        let _ = producer;
+        steps.extend(structural_steps(g, k, &|v| view_of(&view, v))?);
+    }
+    Ok(steps)
+}
+
+/// Merges repeated inputs (the same value read twice) into one.
+fn dedup_inputs(expr: Expr, inputs: Vec<MapInput>) -> (Expr, Vec<MapInput>) {
+    let mut unique: Vec<MapInput> = Vec::new();
+    let mut remap: Vec<Expr> = Vec::new();
+    for i in inputs {
+        let at = match unique.iter().position(|u| *u == i) {
+            Some(p) => p,
+            None => {
+                unique.push(i);
+                unique.len() - 1
+            }
+        };
+        remap.push(Expr::Input(at as u32));
+    }
+    (expr.substitute(&remap), unique)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reshape_views_split_and_merge_strided_dims() {
+        let v = View {
+            base: ValueId(0),
+            offset: 0,
+            shape: vec![4, 6],
+            strides: vec![1, 4],
+        };
+        // [4, 6] column-major -> [4, 2, 3]: the 6 splits into 2 x 3 with strides 12, 4.
+        let r = reshape_view(&v, &[4, 2, 3]).unwrap();
+        assert_eq!(r.strides, vec![1, 12, 4]);
+        // Merging the transposed dims is impossible.
+        assert!(reshape_view(&v, &[24]).is_none());
+    }
+
+    #[test]
+    fn collapse_merges_contiguous_runs_only() {
+        let c = collapse(&[2, 3, 4], &[&[12, 4, 1]]);
+        assert_eq!(c, vec![(24, vec![1])]);
+        let c = collapse(&[2, 3, 4], &[&[1, 8, 2]]);
+        assert_eq!(c.len(), 2);
+    }
+}

@@ -1,0 +1,222 @@
+//! graphtrain's runtime: runs a lowered `Program` (graphtrain-lowering) on a backend.
+//!
+//! - `Backend` names what `--backend` accepts and says, for one that is not built in or not
+//!   present, what is missing and how to get it;
+//! - `Executor` is what every backend implements: write inputs into the arena, run the steps,
+//!   read values back. Parameters and optimizer state stay in the arena between steps (their
+//!   outputs are donated to their inputs), so a training loop only writes the batch;
+//! - `cpu` (cubecl-cpu) is the compiled backend built today; `reference` runs the interpreter.
+//!
+//! Invariant: an executor never changes a Program's numerics: the same Program on the same
+//! backend gives bitwise identical results every run (no autotuning, fixed summation orders).
+
+pub mod cpu;
+pub mod gemm;
+pub mod kernels;
+
+use graphtrain_ir::{interp, Graph, HostTensor, ValueId};
+use graphtrain_lowering::{lower, Mode, Program};
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The reference interpreter (f64 math rounded to each dtype): slow, the oracle for tests.
+    Reference,
+    /// cubecl-cpu: kernels JIT-compiled through LLVM, plus a native GEMM.
+    Cpu,
+    /// cubecl-wgpu (Vulkan/Metal/DX12; lavapipe on a machine without a GPU). Not built yet.
+    Wgpu,
+    /// cubecl-cuda. Not built yet.
+    Cuda,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 4] = [
+        Backend::Cpu,
+        Backend::Reference,
+        Backend::Wgpu,
+        Backend::Cuda,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Reference => "reference",
+            Backend::Cpu => "cpu",
+            Backend::Wgpu => "wgpu",
+            Backend::Cuda => "cuda",
+        }
+    }
+
+    /// Why this backend cannot run here, if it cannot.
+    pub fn unavailable(self) -> Option<String> {
+        match self {
+            Backend::Reference | Backend::Cpu => None,
+            Backend::Wgpu => Some(
+                "backend `wgpu` is not built into this graphtrain yet (planned: cubecl's wgpu runtime; on a machine without a GPU it needs Mesa's lavapipe, Debian packages mesa-vulkan-drivers and libvulkan1). Use --backend cpu."
+                    .into(),
+            ),
+            Backend::Cuda => Some(
+                "backend `cuda` is not built into this graphtrain yet (planned: cubecl's cuda runtime, which needs an NVIDIA GPU and driver). Use --backend cpu."
+                    .into(),
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Backend::ALL.iter().map(|b| b.name()).collect();
+                format!("unknown backend `{s}` (known: {})", known.join(", "))
+            })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RuntimeError {
+    /// The backend is not built in or not present.
+    Unavailable(String),
+    /// The graph cannot be lowered for this backend.
+    Lower(String),
+    /// Bad input data (wrong type, out-of-range index, ...).
+    Input(String),
+    /// The backend failed while running.
+    Backend(String),
+}
+
+impl fmt::Display for RuntimeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RuntimeError::Unavailable(m)
+            | RuntimeError::Lower(m)
+            | RuntimeError::Input(m)
+            | RuntimeError::Backend(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for RuntimeError {}
+
+/// A Program loaded on a backend.
+pub trait Executor {
+    fn program(&self) -> &Program;
+    /// Writes a graph input (or any planned value).
+    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError>;
+    /// Runs every step once.
+    fn run(&mut self) -> Result<(), RuntimeError>;
+    /// Reads a value (a graph output, or an input not yet overwritten).
+    fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError>;
+    /// Bytes of device memory held for tensors (the arena).
+    fn memory_bytes(&self) -> usize;
+}
+
+/// The interpreter behind the same interface: inputs kept on the host, outputs written back into
+/// the donated inputs after each run.
+pub struct ReferenceExecutor {
+    program: Program,
+    values: Vec<Option<HostTensor>>,
+    peak: usize,
+}
+
+impl ReferenceExecutor {
+    pub fn new(program: Program) -> Self {
+        let n = program.graph.values.len();
+        ReferenceExecutor {
+            program,
+            values: vec![None; n],
+            peak: 0,
+        }
+    }
+}
+
+impl Executor for ReferenceExecutor {
+    fn program(&self) -> &Program {
+        &self.program
+    }
+
+    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
+        self.values[v.index()] = Some(t.clone());
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<(), RuntimeError> {
+        let g = &self.program.graph;
+        let inputs: Vec<HostTensor> = g
+            .inputs
+            .iter()
+            .map(|i| {
+                self.values[i.value.index()].clone().ok_or_else(|| {
+                    RuntimeError::Input(format!("input `{}` was never written", i.name))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let out = interp::run(g, &inputs).map_err(|e| RuntimeError::Backend(e.to_string()))?;
+        self.peak = out.peak_bytes;
+        for (o, t) in g.outputs.iter().zip(out.outputs) {
+            if let Some(d) = o.donates {
+                self.values[d.index()] = Some(t.clone());
+            }
+            self.values[o.value.index()] = Some(t);
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError> {
+        self.values[v.index()]
+            .clone()
+            .ok_or_else(|| RuntimeError::Input(format!("value {v:?} has no data yet")))
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.peak
+    }
+}
+
+/// Lowers `g` and loads it on `backend`.
+pub fn load(g: &Graph, backend: Backend, mode: Mode) -> Result<Box<dyn Executor>, RuntimeError> {
+    if let Some(why) = backend.unavailable() {
+        return Err(RuntimeError::Unavailable(why));
+    }
+    let program = lower(g, mode).map_err(|e| RuntimeError::Lower(e.to_string()))?;
+    Ok(match backend {
+        Backend::Reference => Box::new(ReferenceExecutor::new(program)),
+        Backend::Cpu => Box::new(cpu::CpuExecutor::new(program)?),
+        Backend::Wgpu | Backend::Cuda => unreachable!("refused above"),
+    })
+}
+
+/// Runs `g` once on `backend` from host inputs (in `g.inputs` order) and returns its outputs: the
+/// one-shot form tests use.
+pub fn run_once(
+    g: &Graph,
+    backend: Backend,
+    mode: Mode,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, RuntimeError> {
+    let mut ex = load(g, backend, mode)?;
+    let prog_inputs: Vec<ValueId> = ex.program().graph.inputs.iter().map(|i| i.value).collect();
+    if prog_inputs.len() != inputs.len() {
+        return Err(RuntimeError::Input(format!(
+            "the graph takes {} inputs, got {}",
+            prog_inputs.len(),
+            inputs.len()
+        )));
+    }
+    for (v, t) in prog_inputs.iter().zip(inputs) {
+        ex.write(*v, t)?;
+    }
+    ex.run()?;
+    let outs: Vec<ValueId> = ex.program().graph.outputs.iter().map(|o| o.value).collect();
+    outs.into_iter().map(|v| ex.read(v)).collect()
+}

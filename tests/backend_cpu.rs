@@ -1,0 +1,259 @@
+//! The cpu backend against the reference interpreter, op by op and for whole train steps, plus the
+//! bitwise gate between the fused and the eager lowering on the same backend.
+//!
+//! Every case runs a small graph (text format) on seeded random inputs four ways: interpreter,
+//! cpu eager, cpu fused, cpu fused-elementwise (tier 2: tolerance only). cpu must match the interpreter to 1e-4 relative (the interpreter
+//! computes in f64 and rounds each op to f32; cpu computes in f32), and eager must equal fused
+//! bit for bit. Shapes are odd on purpose: not multiples of the 8-wide vectors or the GEMM tiles.
+
+use graphtrain::gate;
+use graphtrain_ir::{text, HostTensor};
+use graphtrain_lowering::Mode;
+use graphtrain_passes::testing::random_inputs;
+use graphtrain_runtime::{run_once, Backend};
+
+/// Largest |a - b| / max(1, |b|) over all elements.
+fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
+    a.data
+        .iter()
+        .zip(&b.data)
+        .map(|(x, y)| {
+            if x.is_nan() && y.is_nan() {
+                0.0
+            } else {
+                (x - y).abs() / y.abs().max(1.0)
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+fn check(name: &str, src: &str) {
+    let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
+    for seed in 0..2 {
+        let inputs = random_inputs(&g, seed);
+        let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+        let eager = run_once(&g, Backend::Cpu, Mode::Eager, &inputs)
+            .unwrap_or_else(|e| panic!("{name}: cpu eager: {e}"));
+        let fused = run_once(&g, Backend::Cpu, Mode::Fused, &inputs)
+            .unwrap_or_else(|e| panic!("{name}: cpu fused: {e}"));
+        // Tier 2: inlined elementwise chains only need to stay within the tolerance.
+        let inlined = run_once(&g, Backend::Cpu, Mode::FusedElementwise, &inputs)
+            .unwrap_or_else(|e| panic!("{name}: cpu fused-elementwise: {e}"));
+        for (k, (w, i)) in want.iter().zip(&inlined).enumerate() {
+            let err = rel_err(i, w);
+            assert!(
+                err <= 1e-4,
+                "{name} (seed {seed}): fused-elementwise output {k} off by {err:e}"
+            );
+        }
+        for (k, ((w, e), f)) in want.iter().zip(&eager).zip(&fused).enumerate() {
+            assert_eq!(w.ty, e.ty, "{name}: output {k} type");
+            let err = rel_err(e, w);
+            assert!(
+                err <= 1e-4,
+                "{name} (seed {seed}): output {k} differs from the interpreter by {err:e}"
+            );
+            let same = e
+                .data
+                .iter()
+                .zip(&f.data)
+                .all(|(x, y)| (x.to_bits() == y.to_bits()) || (x.is_nan() && y.is_nan()));
+            assert!(
+                same,
+                "{name} (seed {seed}): output {k}: fused and eager differ (not bitwise equal)"
+            );
+        }
+    }
+}
+
+#[test]
+fn elementwise_chains_with_odd_lengths() {
+    check(
+        "unary/binary chain",
+        "graph g {
+  input %x: f32[3,37]
+  input %y: f32[3,37]
+  %2: f32[3,37] = mul(%x, %y)
+  %3: f32[3,37] = exp(%2)
+  %4: f32[3,37] = add(%3, %x)
+  %5: f32[3,37] = silu(%4)
+  %6: f32[3,37] = tanh(%5)
+  %7: f32[3,37] = sigmoid(%6)
+  %8: f32[3,37] = sub(%7, %y)
+  %9: f32[3,37] = square(%8)
+  %10: f32[3,37] = max(%9, %x)
+  %11: f32[3,37] = min(%10, %y)
+  %12: f32[3,37] = neg(%11)
+  %13: f32[3,37] = abs(%12)
+  %14: f32[3,37] = add_scalar(%13, value=0.5)
+  %15: f32[3,37] = sqrt(%14)
+  %16: f32[3,37] = rsqrt(%14)
+  %17: f32[3,37] = recip(%16)
+  %18: f32[3,37] = log(%17)
+  %19: f32[3,37] = sin(%18)
+  %20: f32[3,37] = cos(%19)
+  %21: f32[3,37] = mul_scalar(%20, value=-1.5)
+  %22: f32[3,37] = div(%21, %15)
+  %23: f32[3,37] = pow_scalar(%14, exponent=1.5)
+  output a = %22
+  output b = %23
+  output c = %5
+}",
+    );
+}
+
+#[test]
+fn compare_select_and_casts() {
+    check(
+        "compare/select",
+        "graph g {
+  input %x: f32[5,9]
+  input %y: f32[5,9]
+  %2: bool[5,9] = gt(%x, %y)
+  %3: f32[5,9] = select(%2, %x, %y)
+  %4: bool[5,9] = le(%x, %y)
+  %5: f32[5,9] = cast(%4, dtype=f32)
+  %6: f32[5,9] = add(%3, %5)
+  %7: i32[5,9] = cast(%6, dtype=i32)
+  output a = %6
+  output b = %7
+}",
+    );
+}
+
+#[test]
+fn broadcasts_transposes_slices_and_concat() {
+    check(
+        "layout",
+        "graph g {
+  input %x: f32[3,5,7]
+  input %s: f32[1,1,1]
+  %2: f32[7,3,5] = transpose(%x, perm=[2,0,1])
+  %3: f32[7,3,5] = expand(%s, shape=[7,3,5])
+  %4: f32[7,3,5] = add(%2, %3)
+  %5: f32[7,2,5] = slice(%4, axis=1, start=1, end=3)
+  %6: f32[7,5,5] = concat(%5, %4, axis=1)
+  %7: f32[35,5] = reshape(%6, shape=[35,5])
+  %8: f32[3,1,7] = slice(%x, axis=1, start=2, end=3)
+  %9: f32[3,4,7] = expand(%8, shape=[3,4,7])
+  output a = %7
+  output b = %9
+}",
+    );
+}
+
+#[test]
+fn reductions_over_leading_trailing_and_middle_axes() {
+    check(
+        "reduce",
+        "graph g {
+  input %x: f32[4,6,11]
+  %1: f32[4,6] = reduce_sum(%x, axes=[2], keepdim=false)
+  %2: f32[11] = reduce_sum(%x, axes=[0,1], keepdim=false)
+  %3: f32[4,1,11] = reduce_max(%x, axes=[1], keepdim=true)
+  %4: f32[] = reduce_sum(%x, axes=[0,1,2], keepdim=false)
+  output a = %1
+  output b = %2
+  output c = %3
+  output d = %4
+}",
+    );
+}
+
+#[test]
+fn matmuls_with_odd_shapes_transposed_and_shared_operands() {
+    check(
+        "matmul",
+        "graph g {
+  input %a: f32[3,13,29]
+  input %b: f32[3,29,7]
+  input %w: f32[17,29]
+  %3: f32[3,13,7] = matmul(%a, %b)
+  %4: f32[29,17] = transpose(%w, perm=[1,0])
+  %5: f32[3,13,17] = matmul(%a, %4)
+  %6: f32[3,29,13] = transpose(%a, perm=[0,2,1])
+  %7: f32[3,13,13] = matmul(%a, %6)
+  output a = %3
+  output b = %5
+  output c = %7
+}",
+    );
+}
+
+#[test]
+fn composites_decompose_and_match() {
+    check(
+        "embedding/rmsnorm/rope/attention/cross-entropy",
+        "graph g {
+  input %emb: f32[19,16]
+  input %tokens: i32[2,5]
+  input %targets: i32[2,5]
+  input %w: f32[16]
+  %4: f32[2,5,16] = embedding(%emb, %tokens)
+  %5: f32[2,5,16] = rms_norm(%4, %w, eps=1e-5)
+  %6: f32[2,5,2,8] = reshape(%5, shape=[2,5,2,8])
+  %7: f32[2,5,2,8] = rope(%6, theta=10000.0, layout=interleaved, inverse=false)
+  %8: f32[2,2,5,8] = transpose(%7, perm=[0,2,1,3])
+  %9: f32[2,2,5,8] = attention(%8, %8, %8, causal=true, scale=0.35)
+  %10: f32[2,5,2,8] = transpose(%9, perm=[0,2,1,3])
+  %11: f32[10,16] = reshape(%10, shape=[10,16])
+  %12: f32[16,19] = transpose(%emb, perm=[1,0])
+  %13: f32[10,19] = matmul(%11, %12)
+  %14: f32[10,19] = log_softmax(%13, axis=1)
+  %15: i32[10] = reshape(%targets, shape=[10])
+  %16: f32[] = cross_entropy(%13, %15)
+  output logp = %14
+  output loss = %16
+}",
+    );
+}
+
+/// A whole train step on `tiny`: cpu follows the interpreter within 1e-4 for 5 AdamW steps.
+#[test]
+fn tiny_train_step_matches_the_interpreter_after_five_steps() {
+    let (reference, cpu) = gate::train_on_backends(
+        "tiny",
+        5,
+        Backend::Reference,
+        Mode::Eager,
+        Backend::Cpu,
+        Mode::Fused,
+    )
+    .unwrap();
+    for (r, c) in reference.losses.iter().zip(&cpu.losses) {
+        assert!(
+            (r - c).abs() / r.abs() <= 1e-4,
+            "loss {c} on cpu vs {r} on the interpreter"
+        );
+    }
+    for ((name, r), (_, c)) in reference.state.iter().zip(&cpu.state) {
+        let err = rel_err(c, r);
+        assert!(err <= 1e-4, "`{name}` after 5 steps differs by {err:e}");
+    }
+}
+
+/// The bitwise gate: the fused program and eager op-by-op execution on the cpu backend agree
+/// exactly on loss, grad norm, parameters and optimizer state after 5 AdamW steps.
+#[test]
+fn fused_and_eager_are_bitwise_identical_on_cpu() {
+    let (eager, fused) = gate::train_on_backends(
+        "tiny",
+        5,
+        Backend::Cpu,
+        Mode::Eager,
+        Backend::Cpu,
+        Mode::Fused,
+    )
+    .unwrap();
+    assert_eq!(eager.losses, fused.losses);
+    assert_eq!(eager.grad_norms, fused.grad_norms);
+    for ((name, e), (_, f)) in eager.state.iter().zip(&fused.state) {
+        assert!(
+            e.data
+                .iter()
+                .zip(&f.data)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "`{name}` differs between eager and fused"
+        );
+    }
+}
