@@ -703,25 +703,39 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         },
     )?;
     let c = &s.compile;
+    let mfu = match s.mfu {
+        Some(m) => format!(
+            "{:.1}% of {:.1} GFLOP/s ({})",
+            100.0 * m,
+            crate::bench::CPU_PEAK_GFLOPS,
+            crate::bench::CPU_PEAK_SOURCE
+        ),
+        None => format!("n/a ({} has no hardware peak)", s.backend),
+    };
     say!(
-        "summary: median_tps: {:.0} best_tps: {:.0} median_step: {:.3}s achieved: {:.2} GFLOP/s mfu: n/a ({} has no hardware peak)",
+        "summary: median_tps: {:.0} best_tps: {:.0} median_step: {:.3}s achieved: {:.2} GFLOP/s mfu: {mfu}",
         s.median_tps,
         s.best_tps,
         s.median_step_s,
         s.achieved_gflops,
-        s.backend
     );
     say!(
-        "compile: trace {:.3}s, autodiff+optimizer {:.3}s, verify {:.3}s, passes {:.3}s, buffer plan {:.3}s, kernel JIT n/a; total {:.3}s",
+        "compile: trace {:.3}s, autodiff+optimizer {:.3}s, verify {:.3}s, passes {:.3}s, lowering+load {:.3}s, kernel JIT {}; total {:.3}s",
         c.trace_s,
         c.autodiff_and_optimizer_s,
         c.verify_s,
         c.passes_s,
         c.buffer_plan_s,
+        c.kernel_jit_s
+            .map(|j| format!("~{j:.3}s (first step minus median step)"))
+            .unwrap_or_else(|| "n/a".into()),
         c.total_s
     );
+    if let Some(r) = trainer.profile_report() {
+        say!("{r}");
+    }
     say!(
-        "memory: predicted {:.2}MiB (buffer plan), measured {:.2}MiB (executor accounting), peak RSS {}",
+        "memory: predicted {:.2}MiB (buffer plan), held {:.2}MiB (backend arena / interpreter accounting), peak RSS {}",
         s.predicted_peak_bytes as f64 / MIB,
         s.measured_peak_bytes as f64 / MIB,
         s.peak_rss_bytes

@@ -39,6 +39,9 @@ pub struct CpuExecutor {
     threads: usize,
     /// Time spent in the first run (kernel JIT included).
     pub first_run: Option<Duration>,
+    /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
+    /// for finding where the time goes.
+    profile: Option<Vec<(String, Duration, usize)>>,
 }
 
 type ComputeClient = Client;
@@ -73,6 +76,7 @@ impl CpuExecutor {
             len,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             first_run: None,
+            profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -469,6 +473,70 @@ impl Executor for CpuExecutor {
         let steps = std::mem::take(&mut self.program.steps);
         let result = (|| {
             for step in &steps {
+                let t = Instant::now();
+                self.run_step(step)?;
+                if self.profile.is_some() {
+                    self.sync()?;
+                    let key = profile_key(&self.program, step);
+                    let p = self.profile.as_mut().expect("checked");
+                    match p.iter_mut().find(|(k, _, _)| *k == key) {
+                        Some(e) => {
+                            e.1 += t.elapsed();
+                            e.2 += 1;
+                        }
+                        None => p.push((key, t.elapsed(), 1)),
+                    }
+                }
+            }
+            self.sync()
+        })();
+        self.program.steps = steps;
+        if self.first_run.is_none() {
+            self.first_run = Some(started.elapsed());
+        }
+        result
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.len * 4
+    }
+
+    fn profile_report(&mut self) -> Option<String> {
+        let p = self.profile.as_mut()?;
+        p.sort_by(|a, b| b.1.cmp(&a.1));
+        let total: Duration = p.iter().map(|e| e.1).sum();
+        let mut out = format!(
+            "profile over all runs so far (each step waited for): {:.3}s\n",
+            total.as_secs_f64()
+        );
+        for (k, d, n) in p.iter().take(25) {
+            out += &format!(
+                "  {:>8.3}s {:>5.1}% {:>7} launches  {k}\n",
+                d.as_secs_f64(),
+                100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12),
+                n
+            );
+        }
+        Some(out)
+    }
+}
+
+/// Groups steps for the profile: kind and size class.
+fn profile_key(p: &Program, s: &Step) -> String {
+    let n = p.graph.ty(s.writes()).numel();
+    let class = match n {
+        0..=4095 => "<4K",
+        4096..=262_143 => "4K-256K",
+        262_144..=2_097_151 => "256K-2M",
+        _ => ">=2M",
+    };
+    format!("{} {class} elems", s.kind())
+}
+
+impl CpuExecutor {
+    fn run_step(&mut self, step: &Step) -> Result<(), RuntimeError> {
+        {
+            {
                 match step {
                     Step::Map { .. } => self.launch_map(step),
                     Step::Copy { dst, src } => self.launch_copy(dst, src)?,
@@ -490,16 +558,7 @@ impl Executor for CpuExecutor {
                     _ => self.host_step(step)?,
                 }
             }
-            self.sync()
-        })();
-        self.program.steps = steps;
-        if self.first_run.is_none() {
-            self.first_run = Some(started.elapsed());
         }
-        result
-    }
-
-    fn memory_bytes(&self) -> usize {
-        self.len * 4
+        Ok(())
     }
 }

@@ -156,7 +156,8 @@ pub fn map_kernel<N: Size>(
 }
 
 /// Strided copy over up to four dims `[n0, n1, n2, n3]` (`n0` derived from `len`):
-/// `arena[dst + Σ idx·t] = arena[src + Σ idx·s]`.
+/// `arena[dst + Σ idx·t] = arena[src + Σ idx·s]`. Units take whole rows of the innermost dim,
+/// so the index arithmetic is paid once per row, not per element.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_kernel(
@@ -176,22 +177,24 @@ pub fn copy_kernel(
     src: usize,
     dst: usize,
 ) {
+    let rows = len / n3;
     let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = len.div_ceil(units);
+    let chunk = rows.div_ceil(units);
     let start = ABSOLUTE_POS * chunk;
     let mut end = start + chunk;
-    if end > len {
-        end = len;
+    if end > rows {
+        end = rows;
     }
-    for i in start..end {
-        let i3 = i % n3;
-        let r = i / n3;
+    for r in start..end {
         let i2 = r % n2;
-        let r = r / n2;
-        let i1 = r % n1;
-        let i0 = r / n1;
-        arena[dst + i0 * t0 + i1 * t1 + i2 * t2 + i3 * t3] =
-            arena[src + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3];
+        let q = r / n2;
+        let i1 = q % n1;
+        let i0 = q / n1;
+        let sb = src + i0 * s0 + i1 * s1 + i2 * s2;
+        let tb = dst + i0 * t0 + i1 * t1 + i2 * t2;
+        for j in 0..n3 {
+            arena[tb + j * t3] = arena[sb + j * s3];
+        }
     }
 }
 

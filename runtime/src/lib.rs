@@ -119,6 +119,10 @@ pub trait Executor {
     fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError>;
     /// Bytes of device memory held for tensors (the arena).
     fn memory_bytes(&self) -> usize;
+    /// Time by step kind, when the backend was asked to profile (`GRAPHTRAIN_PROFILE=1`).
+    fn profile_report(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// The interpreter behind the same interface: inputs kept on the host, outputs written back into

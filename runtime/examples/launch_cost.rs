@@ -1,0 +1,31 @@
+use cubecl::prelude::*;
+use graphtrain_lowering::Expr;
+use graphtrain_runtime::kernels::map_kernel;
+use std::time::Instant;
+
+fn main() {
+    let client = cubecl::Device::cpu().unwrap().client();
+    let data = vec![1.0f32; 1 << 16];
+    let arena = client.create_from_slice(f32::as_bytes(&data));
+    let e = Expr::Unary(graphtrain_ir::UnaryOp::Exp, Box::new(Expr::Input(0)));
+    for units in [1u32, 2] {
+        for rep in 0..3 {
+            let t = Instant::now();
+            for _ in 0..1000 {
+                unsafe {
+                    map_kernel::launch_unchecked(
+                        &client,
+                        CubeCount::Static(1, 1, 1),
+                        CubeDim::new_1d(units),
+                        8,
+                        BufferArg::from_raw_parts(arena.clone(), data.len() / 8),
+                        0usize, 0usize, 0usize, 0usize, 0usize, 0usize,
+                        1024usize, 16usize, 0u32, e.clone(),
+                    )
+                };
+            }
+            cubecl::future::block_on(client.sync()).unwrap();
+            println!("units {units} rep {rep}: {:.1} us/launch", t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+}
