@@ -1,7 +1,8 @@
 //! The default pass pipeline is tier 1: training through it is bitwise identical to training the
 //! unoptimized step, on `tiny` and on `peer`, after 5 AdamW steps.
 
-use graphtrain::gate::check_pipeline;
+use graphtrain::gate::{check_pipeline, check_pipeline_on};
+use graphtrain_runtime::Backend;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::{PipelineSpec, Registry};
 
@@ -33,7 +34,24 @@ fn default_pipeline_is_bitwise_identical_on_peer() {
     .unwrap();
 }
 
-/// Activation checkpointing and offload are tier 1 too: recomputation is deterministic.
+/// The same gate on the cpu backend: the unoptimized step lowered eagerly (one kernel per op)
+/// against the default pipeline lowered with layout views, CSE over the primitives and the GEMM
+/// reading transposed operands in place.
+#[test]
+fn default_pipeline_is_bitwise_identical_on_cpu_tiny_and_peer() {
+    for config in ["tiny", "peer"] {
+        check_pipeline_on(
+            &Llama3Config::builtin(config).unwrap(),
+            &default_pipeline(),
+            5,
+            Backend::Cpu,
+        )
+        .unwrap_or_else(|e| panic!("{config}: {e}"));
+    }
+}
+
+/// Activation checkpointing and offload are tier 1 too: recomputation is deterministic, on the
+/// interpreter and on the cpu backend.
 #[test]
 fn memory_passes_are_bitwise_identical_on_tiny() {
     let tiny = Llama3Config::builtin("tiny").unwrap();
@@ -50,5 +68,7 @@ fn memory_passes_are_bitwise_identical_on_tiny() {
             .unwrap();
         p.verify_each = true;
         check_pipeline(&tiny, &p, 5).unwrap_or_else(|e| panic!("{list}: {e}"));
+        check_pipeline_on(&tiny, &p, 5, Backend::Cpu)
+            .unwrap_or_else(|e| panic!("{list} on cpu: {e}"));
     }
 }
