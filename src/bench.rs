@@ -107,8 +107,7 @@ pub fn run(
         passes_s: t.passes.as_secs_f64(),
         buffer_plan_s: plan_time.as_secs_f64(),
         // The first step compiles every kernel; what it took beyond a warm step is the JIT.
-        kernel_jit_s: (backend_is_compiled && !times.is_empty())
-            .then(|| (times[0] - med).max(0.0)),
+        kernel_jit_s: (backend_is_compiled && !times.is_empty()).then(|| (times[0] - med).max(0.0)),
         total_s: (t.trace + t.autodiff_and_optimizer + t.verify + t.passes + plan_time)
             .as_secs_f64(),
     };

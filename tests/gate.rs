@@ -2,9 +2,9 @@
 //! unoptimized step, on `tiny` and on `peer`, after 5 AdamW steps.
 
 use graphtrain::gate::{check_pipeline, check_pipeline_on};
-use graphtrain_runtime::Backend;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::{PipelineSpec, Registry};
+use graphtrain_runtime::Backend;
 
 fn default_pipeline() -> graphtrain::passes::Pipeline {
     let mut p = PipelineSpec::default_pipeline()

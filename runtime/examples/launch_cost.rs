@@ -1,3 +1,6 @@
+//! Launch cost of the cpu runtime: 1,000 launches of a tiny map kernel, then one sync.
+//! `cargo run --release -p graphtrain-runtime --example launch_cost` (docs/benchmarks.md).
+
 use cubecl::prelude::*;
 use graphtrain_lowering::Expr;
 use graphtrain_runtime::kernels::map_kernel;
@@ -19,13 +22,24 @@ fn main() {
                         CubeDim::new_1d(units),
                         8,
                         BufferArg::from_raw_parts(arena.clone(), data.len() / 8),
-                        0usize, 0usize, 0usize, 0usize, 0usize, 0usize,
-                        1024usize, 16usize, 0u32, e.clone(),
+                        0usize,
+                        0usize,
+                        0usize,
+                        0usize,
+                        0usize,
+                        0usize,
+                        1024usize,
+                        16usize,
+                        0u32,
+                        e.clone(),
                     )
                 };
             }
             cubecl::future::block_on(client.sync()).unwrap();
-            println!("units {units} rep {rep}: {:.1} us/launch", t.elapsed().as_secs_f64() * 1e3);
+            println!(
+                "units {units} rep {rep}: {:.1} us/launch",
+                t.elapsed().as_secs_f64() * 1e3
+            );
         }
     }
 }
