@@ -477,8 +477,9 @@ impl Executor for CpuExecutor {
                 self.run_step(step)?;
                 if self.profile.is_some() {
                     self.sync()?;
+                }
+                if let Some(p) = &mut self.profile {
                     let key = profile_key(&self.program, step);
-                    let p = self.profile.as_mut().expect("checked");
                     match p.iter_mut().find(|(k, _, _)| *k == key) {
                         Some(e) => {
                             e.1 += t.elapsed();
@@ -503,7 +504,7 @@ impl Executor for CpuExecutor {
 
     fn profile_report(&mut self) -> Option<String> {
         let p = self.profile.as_mut()?;
-        p.sort_by(|a, b| b.1.cmp(&a.1));
+        p.sort_by_key(|e| std::cmp::Reverse(e.1));
         let total: Duration = p.iter().map(|e| e.1).sum();
         let mut out = format!(
             "profile over all runs so far (each step waited for): {:.3}s\n",
