@@ -107,6 +107,22 @@ fn legalize(g: &Graph) -> Result<Graph, TrainError> {
     Ok(out)
 }
 
+/// Writes every graph input from `slots`. The program's graph is the legalized one: the same
+/// inputs in the same order as the trainer's graph, but with its own value ids.
+fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), TrainError> {
+    let inputs: Vec<ValueId> = exec
+        .program()
+        .graph
+        .inputs
+        .iter()
+        .map(|i| i.value)
+        .collect();
+    for (v, slot) in inputs.into_iter().zip(slots) {
+        exec.write(v, slot).map_err(err)?;
+    }
+    Ok(())
+}
+
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
 pub fn init_param(ty: &TensorType, init: Init, seed: u64, index: usize) -> HostTensor {
     let stream = PARAM_STREAM_BASE + index as u64;
@@ -260,18 +276,7 @@ impl Trainer {
             legalize(&self.graph)?
         };
         let mut exec = graphtrain_runtime::load(&graph, backend, mode).map_err(err)?;
-        // The program's graph is the legalized one: same inputs and outputs in the same order,
-        // but its own value ids.
-        let inputs: Vec<_> = exec
-            .program()
-            .graph
-            .inputs
-            .iter()
-            .map(|i| i.value)
-            .collect();
-        for (v, slot) in inputs.into_iter().zip(&self.slots) {
-            exec.write(v, slot).map_err(err)?;
-        }
+        write_inputs(exec.as_mut(), &self.slots)?;
         self.exec = Some(exec);
         Ok(())
     }
@@ -500,16 +505,7 @@ impl Trainer {
         }
         self.steps_done = ckpt.header.steps_done;
         if let Some(exec) = self.exec.as_mut() {
-            let inputs: Vec<_> = exec
-                .program()
-                .graph
-                .inputs
-                .iter()
-                .map(|i| i.value)
-                .collect();
-            for (v, slot) in inputs.into_iter().zip(&self.slots) {
-                exec.write(v, slot).map_err(err)?;
-            }
+            write_inputs(exec.as_mut(), &self.slots)?;
         }
         self.slots_stale = false;
         Ok(())

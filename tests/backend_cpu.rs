@@ -142,6 +142,39 @@ fn broadcasts_transposes_slices_and_concat() {
     );
 }
 
+/// Expands read in place by elementwise ops: row and column broadcasts, vector-aligned (16, 24)
+/// and not (5, 7), and one that is neither pattern (a middle axis) and stays a copy.
+#[test]
+fn broadcast_reads_in_elementwise_ops() {
+    check(
+        "broadcast",
+        "graph g {
+  input %x: f32[6,16]
+  input %r: f32[6,1]
+  input %c: f32[1,16]
+  input %y: f32[5,7]
+  input %yr: f32[5,1]
+  input %yc: f32[1,7]
+  input %z: f32[2,3,24]
+  input %zm: f32[2,1,24]
+  %8: f32[6,16] = expand(%r, shape=[6,16])
+  %9: f32[6,16] = expand(%c, shape=[6,16])
+  %10: f32[6,16] = sub(%x, %8)
+  %11: f32[6,16] = mul(%10, %9)
+  %12: f32[6,16] = exp(%11)
+  %13: f32[5,7] = expand(%yr, shape=[5,7])
+  %14: f32[5,7] = expand(%yc, shape=[5,7])
+  %15: f32[5,7] = div(%y, %13)
+  %16: f32[5,7] = add(%15, %14)
+  %17: f32[2,3,24] = expand(%zm, shape=[2,3,24])
+  %18: f32[2,3,24] = mul(%z, %17)
+  output a = %12
+  output b = %16
+  output c = %18
+}",
+    );
+}
+
 #[test]
 fn reductions_over_leading_trailing_and_middle_axes() {
     check(

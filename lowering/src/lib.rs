@@ -6,4 +6,6 @@ pub mod buffer_plan;
 pub mod program;
 
 pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
-pub use program::{lower, Expr, LowerError, MapInput, Mode, Program, ReduceKind, Step, View};
+pub use program::{
+    lower, Access, Expr, LowerError, MapInput, Mode, Program, ReduceKind, Step, View,
+};

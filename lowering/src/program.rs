@@ -5,7 +5,8 @@
 //!   so every backend needs only the primitive kernels below;
 //! - resolves layout ops to views: `reshape` of a contiguous value, `transpose`, `slice` and
 //!   `expand` become strided reads of their source instead of copies where the consumer accepts a
-//!   strided operand (matmul, copy, reduce) — in `Fused` mode only;
+//!   strided operand (matmul, copy, reduce), and an `expand` that only elementwise ops read
+//!   becomes a broadcast `Access` of their operand — in the `Fused` modes only;
 //! - fuses elementwise chains (`FusedElementwise` mode, opt-in, tier 2): a value with one
 //!   elementwise consumer is computed inside that consumer's kernel instead of going through
 //!   memory;
@@ -170,11 +171,58 @@ impl Expr {
     }
 }
 
-/// One input of a `Map`: a whole contiguous value, or its single element broadcast.
+/// How a `Map` reads one operand at output element `i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// `x[i]`: same shape as the output.
+    Full,
+    /// `x[0]`: one element for every `i`.
+    Scalar,
+    /// `x[i / inner]`: broadcast along trailing dims (`[R, 1] -> [R, C]` has `inner = C`).
+    Outer { inner: usize },
+    /// `x[i % period]`: broadcast along leading dims (`[1, C] -> [R, C]` has `period = C`).
+    Inner { period: usize },
+}
+
+/// One input of a `Map`: a materialized contiguous value and how it is read.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct MapInput {
     pub value: ValueId,
-    pub broadcast: bool,
+    pub access: Access,
+}
+
+impl MapInput {
+    /// `v` read by an elementwise op whose output has `out_len` elements.
+    fn direct(g: &Graph, v: ValueId, out_len: usize) -> MapInput {
+        let access = if g.ty(v).numel() == 1 && out_len != 1 {
+            Access::Scalar
+        } else {
+            Access::Full
+        };
+        MapInput { value: v, access }
+    }
+}
+
+/// The broadcast an `expand` from `from` to `to` performs, when one `Access` expresses it.
+fn expand_access(from: &[usize], to: &[usize]) -> Option<Access> {
+    let kept = |d: usize| from[d] == to[d];
+    let spread = |d: usize| from[d] == 1;
+    let r = to.len();
+    // Outer: kept dims first, then only broadcast (or unit) dims.
+    if let Some(j) = (0..=r).find(|&j| (0..j).all(kept) && (j..r).all(spread)) {
+        let inner: usize = to[j..].iter().product();
+        if inner > 1 && from[..j].iter().product::<usize>() > 1 {
+            return Some(Access::Outer { inner });
+        }
+    }
+    // Inner: broadcast dims first, then only kept dims.
+    if let Some(j) = (0..=r).find(|&j| (0..j).all(spread) && (j..r).all(kept)) {
+        let period: usize = from.iter().product();
+        if period > 1 && to[..j].iter().product::<usize>() > 1 {
+            return Some(Access::Inner { period });
+        }
+    }
+    None
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -581,10 +629,7 @@ fn eager_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             let inputs = n
                 .inputs
                 .iter()
-                .map(|&v| MapInput {
-                    value: v,
-                    broadcast: g.ty(v).numel() == 1 && out_len != 1,
-                })
+                .map(|&v| MapInput::direct(g, v, out_len))
                 .collect();
             steps.push(Step::Map {
                 out,
@@ -862,6 +907,12 @@ fn as_batched(v: &View, batch: usize) -> Option<View> {
     })
 }
 
+/// Broadcast reads are formed only when their period is a multiple of this (the widest vector a
+/// backend uses): then a backend splits the work into whole vectors exactly as it does for
+/// contiguous operands. A different split would change results, since vector and scalar code
+/// of the same function (exp, sin, ...) may round differently.
+pub const BROADCAST_ALIGN: usize = 8;
+
 /// Most inputs a fused kernel reads (the kernels take this many offset arguments).
 pub const MAX_MAP_INPUTS: usize = 6;
 /// Largest fused expression, in nodes: bounds JIT time and register pressure.
@@ -905,6 +956,14 @@ fn fused_steps(
     };
     // Elementwise expressions over materialized values, for values that are inlined.
     let mut inlined: Vec<Option<(Expr, Vec<MapInput>)>> = vec![None; nv];
+    // Expands read by elementwise ops only: the readers take the source with a broadcast access
+    // instead of a materialized copy.
+    let mut absorbed: Vec<Option<MapInput>> = vec![None; nv];
+    let operand = |absorbed: &Vec<Option<MapInput>>, v: ValueId, out_len: usize| {
+        absorbed[v.index()]
+            .clone()
+            .unwrap_or_else(|| MapInput::direct(g, v, out_len))
+    };
     let mut steps = Vec::new();
 
     for k in 0..g.nodes.len() {
@@ -927,19 +986,16 @@ fn fused_steps(
             let mut inputs: Vec<MapInput> = Vec::new();
             let mut parts: Vec<Expr> = Vec::new();
             for &v in &n.inputs {
-                let broadcast = g.ty(v).numel() == 1 && out_len != 1;
-                match (&inlined[v.index()], broadcast) {
-                    (Some((e, ins)), false) => {
+                let read = operand(&absorbed, v, out_len);
+                match (&inlined[v.index()], read.access) {
+                    (Some((e, ins)), Access::Full) => {
                         let shifted = e.clone().shift_inputs(inputs.len() as u32);
                         inputs.extend(ins.iter().cloned());
                         parts.push(shifted);
                     }
                     _ => {
                         parts.push(Expr::Input(inputs.len() as u32));
-                        inputs.push(MapInput {
-                            value: v,
-                            broadcast,
-                        });
+                        inputs.push(read);
                     }
                 }
             }
@@ -969,10 +1025,7 @@ fn fused_steps(
                             expr: e,
                         });
                     }
-                    direct.push(MapInput {
-                        value: v,
-                        broadcast: g.ty(v).numel() == 1 && out_len != 1,
-                    });
+                    direct.push(operand(&absorbed, v, out_len));
                 }
                 let expr = elementwise_expr(g, k).expect("checked above");
                 steps.push(Step::Map {
@@ -983,6 +1036,37 @@ fn fused_steps(
                 });
             }
             continue;
+        }
+
+        // An expand that only elementwise ops of its own size read, from a value in memory, is
+        // read in place by them.
+        if let Op::Expand { .. } = n.op {
+            let src = n.inputs[0];
+            // (A folded source is in memory too: an unfolded expand's constant operand is one
+            // the program writes at load.)
+            let in_memory = inlined[src.index()].is_none()
+                && view[src.index()].is_none()
+                && absorbed[src.index()].is_none();
+            let readers_elementwise = !cons.is_empty()
+                && cons.iter().all(|&c| {
+                    elementwise_expr(g, c).is_some()
+                        && g.ty(g.nodes[c].outputs[0]).numel() == out_len
+                });
+            let access = expand_access(&g.ty(src).shape, &out_ty.shape).filter(|a| match a {
+                Access::Outer { inner: p } | Access::Inner { period: p } => {
+                    p % BROADCAST_ALIGN == 0
+                }
+                _ => false,
+            });
+            if let (true, true, false, Some(access)) = (
+                in_memory,
+                readers_elementwise,
+                is_output[out.index()],
+                access,
+            ) {
+                absorbed[out.index()] = Some(MapInput { value: src, access });
+                continue;
+            }
         }
 
         // Layout ops become views when every consumer reads through a view (not a Map, which

@@ -12,17 +12,19 @@
 //! (`sync`), then runs on the calling thread, so every step sees its predecessors' writes.
 
 use crate::gemm::{self, Layout};
-use crate::kernels::{copy_kernel, map_kernel, reduce_kernel};
+use crate::kernels::{
+    copy_kernel, map_kernel, reduce_kernel, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR,
+};
 use crate::{Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
 use graphtrain_ir::{rng, HostTensor, ValueId};
 use graphtrain_lowering::program::{collapse, contiguous_strides, MAX_EXACT_INT};
-use graphtrain_lowering::{Program, ReduceKind, Step, View};
+use graphtrain_lowering::{Access, Program, ReduceKind, Step, View};
 use std::time::{Duration, Instant};
 
 /// Widest vector the map kernels use (8 f32 = one AVX2 register).
-const VECTOR: usize = 8;
+const VECTOR: usize = graphtrain_lowering::program::BROADCAST_ALIGN;
 /// Units per launch: one per core.
 fn units() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as u32
@@ -114,26 +116,49 @@ impl CpuExecutor {
             unreachable!()
         };
         let mut offs = [0usize; 6];
-        let mut bcast = 0u32;
+        let mut params = [1usize; 6];
+        let mut modes = 0u32;
+        // Broadcast reads stay vectorized only when a vector never straddles two source
+        // elements (outer) or two periods (inner); otherwise the whole map runs at width 1.
+        // The lowering only forms broadcasts whose period is a multiple of `BROADCAST_ALIGN`
+        // (= VECTOR), so that the split, and with it the rounding, matches eager.
+        let mut vectorizable = true;
         for (k, i) in inputs.iter().enumerate() {
             offs[k] = self.off(i.value);
-            if i.broadcast {
-                bcast |= 1 << k;
-            }
+            let mode = match i.access {
+                Access::Full => MODE_FULL,
+                Access::Scalar => MODE_SCALAR,
+                Access::Outer { inner } => {
+                    params[k] = inner;
+                    vectorizable &= inner % VECTOR == 0;
+                    MODE_OUTER
+                }
+                Access::Inner { period } => {
+                    params[k] = period;
+                    vectorizable &= period % VECTOR == 0;
+                    MODE_INNER
+                }
+            };
+            modes |= mode << (2 * k);
         }
         let out_off = self.off(*out);
         // Whole vectors first; the tail (len % VECTOR) with a width-1 launch of the same kernel.
-        let body = len / VECTOR * VECTOR;
+        let body = if vectorizable {
+            len / VECTOR * VECTOR
+        } else {
+            0
+        };
         let units = units();
         let launch = |width: usize, start: usize, count: usize| {
             if count == 0 {
                 return;
             }
+            // Full inputs are addressed in vectors from `start`; the others in elements.
             let o = |k: usize| {
-                if bcast >> k & 1 == 1 {
-                    offs[k] / width
-                } else {
+                if (modes >> (2 * k)) & 3 == MODE_FULL {
                     (offs[k] + start) / width
+                } else {
+                    offs[k]
                 }
             };
             // SAFETY: every offset + count is inside the arena (the planner sized it).
@@ -150,9 +175,17 @@ impl CpuExecutor {
                     o(3),
                     o(4),
                     o(5),
+                    params[0],
+                    params[1],
+                    params[2],
+                    params[3],
+                    params[4],
+                    params[5],
+                    start,
+                    width,
                     (out_off + start) / width,
                     count / width,
-                    bcast,
+                    modes,
                     expr.clone(),
                 );
             }

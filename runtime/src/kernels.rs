@@ -14,58 +14,99 @@ use cubecl::prelude::*;
 use graphtrain_ir::{BinaryOp, CompareOp, UnaryOp};
 use graphtrain_lowering::Expr;
 
-/// Picks offset `k` of the six a map launch passes.
+/// Picks argument `k` of the six per-input arguments a map launch passes.
 #[cube]
-fn offset_of(
+fn pick(
+    a0: usize,
+    a1: usize,
+    a2: usize,
+    a3: usize,
+    a4: usize,
+    a5: usize,
+    #[comptime] k: u32,
+) -> usize {
+    if comptime!(k == 0) {
+        a0
+    } else if comptime!(k == 1) {
+        a1
+    } else if comptime!(k == 2) {
+        a2
+    } else if comptime!(k == 3) {
+        a3
+    } else if comptime!(k == 4) {
+        a4
+    } else {
+        a5
+    }
+}
+
+/// Access modes of a map input, two bits each in the `modes` comptime argument (see
+/// `graphtrain_lowering::Access`).
+pub const MODE_FULL: u32 = 0;
+pub const MODE_SCALAR: u32 = 1;
+pub const MODE_OUTER: u32 = 2;
+pub const MODE_INNER: u32 = 3;
+
+/// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets `o*` (in vectors for full inputs, in
+/// elements otherwise) and parameters `p*` (`inner` or `period`), plus `base`, the output
+/// element of vector 0, and `w`, the vector width.
+#[derive(CubeType, Clone, Copy)]
+pub struct MapArgs {
     o0: usize,
     o1: usize,
     o2: usize,
     o3: usize,
     o4: usize,
     o5: usize,
+    p0: usize,
+    p1: usize,
+    p2: usize,
+    p3: usize,
+    p4: usize,
+    p5: usize,
+    base: usize,
+    w: usize,
+}
+
+#[cube]
+fn load<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    i: usize,
     #[comptime] k: u32,
-) -> usize {
-    if comptime!(k == 0) {
-        o0
-    } else if comptime!(k == 1) {
-        o1
-    } else if comptime!(k == 2) {
-        o2
-    } else if comptime!(k == 3) {
-        o3
-    } else if comptime!(k == 4) {
-        o4
+    #[comptime] modes: u32,
+) -> Vector<f32, N> {
+    let o = pick(args.o0, args.o1, args.o2, args.o3, args.o4, args.o5, k);
+    let mode = comptime!((modes >> (2 * k)) & 3);
+    if comptime!(mode == MODE_FULL) {
+        arena[o + i]
+    } else if comptime!(mode == MODE_SCALAR) {
+        Vector::<f32, N>::new(arena[o / args.w].extract_dynamic(o % args.w))
+    } else if comptime!(mode == MODE_OUTER) {
+        let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
+        // Every lane of the vector maps to the same source element (inner % w == 0).
+        let e = o + (args.base + i * args.w) / p;
+        Vector::<f32, N>::new(arena[e / args.w].extract_dynamic(e % args.w))
     } else {
-        o5
+        let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
+        // The lanes map to consecutive source elements (period % w == 0).
+        arena[(o + (args.base + i * args.w) % p) / args.w]
     }
 }
 
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn eval<N: Size>(
     arena: &mut [Vector<f32, N>],
-    o0: usize,
-    o1: usize,
-    o2: usize,
-    o3: usize,
-    o4: usize,
-    o5: usize,
+    args: &MapArgs,
     i: usize,
-    #[comptime] bcast: u32,
+    #[comptime] modes: u32,
     #[comptime] e: Expr,
 ) -> Vector<f32, N> {
     match e {
-        Expr::Input(k) => {
-            let at = offset_of(o0, o1, o2, o3, o4, o5, k);
-            if comptime!((bcast >> k) & 1 == 1) {
-                Vector::<f32, N>::new(arena[at].extract(0usize))
-            } else {
-                arena[at + i]
-            }
-        }
+        Expr::Input(k) => load::<N>(arena, args, i, k, modes),
         Expr::Const(bits) => Vector::<f32, N>::new(f32::from_bits(bits)),
         Expr::Unary(op, a) => {
-            let x = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a);
+            let x = eval::<N>(arena, args, i, modes, *a);
             let one = Vector::<f32, N>::new(1.0);
             match op {
                 UnaryOp::Neg => -x,
@@ -84,8 +125,8 @@ fn eval<N: Size>(
             }
         }
         Expr::Binary(op, a, b) => {
-            let x = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a);
-            let y = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *b);
+            let x = eval::<N>(arena, args, i, modes, *a);
+            let y = eval::<N>(arena, args, i, modes, *b);
             match op {
                 BinaryOp::Add => x + y,
                 BinaryOp::Sub => x - y,
@@ -97,8 +138,8 @@ fn eval<N: Size>(
             }
         }
         Expr::Compare(op, a, b) => {
-            let x = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a);
-            let y = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *b);
+            let x = eval::<N>(arena, args, i, modes, *a);
+            let y = eval::<N>(arena, args, i, modes, *b);
             let one = Vector::<f32, N>::new(1.0);
             let zero = Vector::<f32, N>::new(0.0);
             let c = match op {
@@ -112,22 +153,22 @@ fn eval<N: Size>(
             select_many(c, one, zero)
         }
         Expr::Select(c, a, b) => {
-            let cv = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *c);
-            let x = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a);
-            let y = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *b);
+            let cv = eval::<N>(arena, args, i, modes, *c);
+            let x = eval::<N>(arena, args, i, modes, *a);
+            let y = eval::<N>(arena, args, i, modes, *b);
             select_many(cv.not_equal(&Vector::<f32, N>::new(0.0)), x, y)
         }
-        Expr::Trunc(a) => Vector::trunc(eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a)),
+        Expr::Trunc(a) => Vector::trunc(eval::<N>(arena, args, i, modes, *a)),
         Expr::NonZero(a) => {
-            let x = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, *a);
+            let x = eval::<N>(arena, args, i, modes, *a);
             let zero = Vector::<f32, N>::new(0.0);
             select_many(x.not_equal(&zero), Vector::<f32, N>::new(1.0), zero)
         }
     }
 }
 
-/// `arena[out + i] = expr(inputs at i)` for `i < len` (offsets and `len` in vectors of `N`).
-/// Bit `k` of `bcast` set: input `k` is one element, at vector offset `ok`, read for every `i`.
+/// `arena[out + i] = expr(inputs at i)` for `i < len` (`out` and `len` in vectors of `N`); how
+/// each input is read is in `modes` and `args` (see `MapArgs`).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn map_kernel<N: Size>(
@@ -138,11 +179,35 @@ pub fn map_kernel<N: Size>(
     o3: usize,
     o4: usize,
     o5: usize,
+    p0: usize,
+    p1: usize,
+    p2: usize,
+    p3: usize,
+    p4: usize,
+    p5: usize,
+    base: usize,
+    w: usize,
     out: usize,
     len: usize,
-    #[comptime] bcast: u32,
+    #[comptime] modes: u32,
     #[comptime] expr: Expr,
 ) {
+    let args = MapArgs {
+        o0,
+        o1,
+        o2,
+        o3,
+        o4,
+        o5,
+        p0,
+        p1,
+        p2,
+        p3,
+        p4,
+        p5,
+        base,
+        w,
+    };
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let chunk = len.div_ceil(units);
     let start = ABSOLUTE_POS * chunk;
@@ -151,7 +216,7 @@ pub fn map_kernel<N: Size>(
         end = len;
     }
     for i in start..end {
-        arena[out + i] = eval::<N>(arena, o0, o1, o2, o3, o4, o5, i, bcast, expr.clone());
+        arena[out + i] = eval::<N>(arena, &args, i, modes, expr.clone());
     }
 }
 
