@@ -248,9 +248,9 @@ pub struct TrainArgs {
     /// and say so.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
-    /// How the compiled backends lower the step: `fused` (layout views, transposes folded into
-    /// the GEMM; bitwise equal to eager), `eager` (one kernel per op, the numerics baseline), or
-    /// `fused-elementwise` (also inlines elementwise chains; changes the last bits, opt-in).
+    /// How the compiled backends lower the step: `fused` (elementwise chains in one kernel,
+    /// layout ops read in place; bitwise equal to eager) or `eager` (one kernel per op, the
+    /// numerics baseline).
     #[arg(long, value_enum, default_value = "fused")]
     pub lowering: LoweringMode,
     /// Training data: a fresh random batch per step, or the same batch every step.
@@ -281,7 +281,6 @@ struct Session {
 pub enum LoweringMode {
     Fused,
     Eager,
-    FusedElementwise,
 }
 
 impl LoweringMode {
@@ -289,7 +288,6 @@ impl LoweringMode {
         match self {
             LoweringMode::Fused => Mode::Fused,
             LoweringMode::Eager => Mode::Eager,
-            LoweringMode::FusedElementwise => Mode::FusedElementwise,
         }
     }
 }

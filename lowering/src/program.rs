@@ -6,18 +6,19 @@
 //! - resolves layout ops to views: `reshape` of a contiguous value, `transpose`, `slice` and
 //!   `expand` become strided reads of their source instead of copies where the consumer accepts a
 //!   strided operand (matmul, copy, reduce), and an `expand` that only elementwise ops read
-//!   becomes a broadcast `Access` of their operand — in the `Fused` modes only;
-//! - fuses elementwise chains (`FusedElementwise` mode, opt-in, tier 2): a value with one
-//!   elementwise consumer is computed inside that consumer's kernel instead of going through
-//!   memory;
+//!   becomes a broadcast `Access` of their operand — in `Fused` mode only;
+//! - fuses elementwise chains (`Fused` mode): a value with one elementwise consumer is computed
+//!   inside that consumer's kernel instead of going through memory — except a product feeding a
+//!   sum (see `is_product`);
 //! - plans one arena for all materialized values (`plan_slots`), parameters and optimizer state
 //!   updated in place.
 //!
 //! Guarantees: `Eager` mode launches one kernel per graph node, each reading and writing whole
-//! contiguous buffers; `Fused` mode runs the same per-element arithmetic in the same order (a
-//! folded transpose only changes where a kernel or the GEMM reads; the GEMM's summation order
-//! does not depend on operand layout), so both give bitwise identical results on one backend —
-//! the gate in tests/backend_cpu.rs checks it. `FusedElementwise` is not bitwise (see `Mode`).
+//! contiguous buffers; `Fused` mode runs the same per-element arithmetic in the same order (an
+//! inlined producer is the same expression evaluated in a register instead of reloaded; a
+//! folded transpose only changes where a kernel or the GEMM reads, and the GEMM's summation
+//! order does not depend on operand layout), so both give bitwise identical results on one
+//! backend — tests/backend_cpu.rs and tests/gate.rs check it.
 //!
 //! Declines (with an error naming the node): dtypes other than f32 / i32 / bool, integer tensors
 //! whose values cannot be held exactly by the f32 storage the kernels use (see `Storage`).
@@ -32,14 +33,10 @@ use std::fmt;
 pub enum Mode {
     /// One kernel per primitive node, every value materialized: the numerics baseline.
     Eager,
-    /// Layout views: transposes, slices and reshapes read in place (a transpose feeding a
-    /// matmul becomes the GEMM's operand strides). Bitwise identical to `Eager`.
+    /// Layout views (transposes, slices, reshapes and broadcasts read in place; a transpose
+    /// feeding a matmul becomes the GEMM's operand strides) and elementwise chains inlined into
+    /// one kernel. Bitwise identical to `Eager`.
     Fused,
-    /// `Fused` plus elementwise chains inlined into one kernel. Numerics-changing (tier 2): the
-    /// results differ from `Eager` in the last bits — inside one JIT-compiled kernel LLVM may
-    /// contract a multiply and an add into one FMA (suspected, not yet confirmed), so it is
-    /// opt-in until the contraction is controlled.
-    FusedElementwise,
 }
 
 /// A strided read of (part of) a materialized value: element `idx` of the view lives at
@@ -424,8 +421,7 @@ pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
     check_dtypes(&graph, &folded)?;
     let steps = match mode {
         Mode::Eager => eager_steps(&graph, &folded)?,
-        Mode::Fused => fused_steps(&graph, &folded, false)?,
-        Mode::FusedElementwise => fused_steps(&graph, &folded, true)?,
+        Mode::Fused => fused_steps(&graph, &folded)?,
     };
     // Constants are written at load and read by every run: live from the first slot to the last.
     let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
@@ -918,14 +914,10 @@ pub const MAX_MAP_INPUTS: usize = 6;
 /// Largest fused expression, in nodes: bounds JIT time and register pressure.
 const MAX_EXPR_NODES: usize = 48;
 
-/// Fused: layout ops become views where every consumer can read strided; with
-/// `inline_elementwise`, elementwise chains become one `Map` each; the rest as in eager.
+/// Fused: layout ops become views where every consumer can read strided, elementwise chains
+/// become one `Map` each; the rest as in eager.
 #[allow(clippy::needless_range_loop)] // `k` names the node in errors and in `structural_steps`
-fn fused_steps(
-    g: &Graph,
-    folded: &[bool],
-    inline_elementwise: bool,
-) -> Result<Vec<Step>, LowerError> {
+fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
     let nv = g.values.len();
     let mut consumers: Vec<Vec<usize>> = vec![Vec::new(); nv];
     for (k, n) in g.nodes.iter().enumerate() {
@@ -975,11 +967,11 @@ fn fused_steps(
         let out_ty = g.ty(out);
         let out_len = out_ty.numel();
         let cons = &consumers[out.index()];
-        let single_elementwise_consumer = inline_elementwise
-            && !is_output[out.index()]
+        let single_elementwise_consumer = !is_output[out.index()]
             && cons.len() == 1
             && elementwise_expr(g, cons[0]).is_some()
-            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len;
+            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len
+            && !(is_product(&n.op) && is_sum(&g.nodes[cons[0]].op));
 
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
@@ -1128,6 +1120,23 @@ fn fused_steps(
         steps.extend(structural_steps(g, k, &|v| view_of(&view, v))?);
     }
     Ok(steps)
+}
+
+/// A product feeding a sum is never inlined: inside one kernel cubecl's optimizer
+/// (`cubecl-opt`'s `InstCombine`, unconditional on every target) turns `a * b + c` into one FMA,
+/// which rounds once where the op-by-op kernels round twice.
+fn is_product(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Binary(BinaryOp::Mul) | Op::MulScalar { .. } | Op::Unary(UnaryOp::Square)
+    )
+}
+
+fn is_sum(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Binary(BinaryOp::Add) | Op::Binary(BinaryOp::Sub) | Op::AddScalar { .. }
+    )
 }
 
 /// Merges repeated inputs (the same value read twice) into one.
