@@ -69,14 +69,7 @@ pub fn check_pipeline_on(
             ));
         }
     }
-    let carried: Vec<String> = base
-        .graph
-        .inputs
-        .iter()
-        .filter(|i| i.kind != InputKind::Data)
-        .map(|i| i.name.clone())
-        .collect();
-    for name in carried {
+    for name in carried_names(&base) {
         let a = base.input_value(&name).expect("the input exists").clone();
         let b = opt
             .input_value(&name)
@@ -92,6 +85,16 @@ pub fn check_pipeline_on(
         }
     }
     Ok(())
+}
+
+/// Names of the inputs carried from step to step: parameters and optimizer state.
+fn carried_names(t: &Trainer) -> Vec<String> {
+    t.graph
+        .inputs
+        .iter()
+        .filter(|i| i.kind != InputKind::Data)
+        .map(|i| i.name.clone())
+        .collect()
 }
 
 /// What one training run left behind: per-step loss and grad norm, and every parameter and
@@ -130,14 +133,7 @@ pub fn train_on_backends(
             losses.push(m.loss);
             grad_norms.push(m.grad_norm);
         }
-        let names: Vec<String> = t
-            .graph
-            .inputs
-            .iter()
-            .filter(|i| i.kind != InputKind::Data)
-            .map(|i| i.name.clone())
-            .collect();
-        let state = names
+        let state = carried_names(&t)
             .into_iter()
             .map(|n| {
                 let v = t.input_value(&n).expect("the input exists").clone();

@@ -110,17 +110,20 @@ fn legalize(g: &Graph) -> Result<Graph, TrainError> {
 /// Writes every graph input from `slots`. The program's graph is the legalized one: the same
 /// inputs in the same order as the trainer's graph, but with its own value ids.
 fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), TrainError> {
-    let inputs: Vec<ValueId> = exec
-        .program()
+    for (v, slot) in program_inputs(exec).into_iter().zip(slots) {
+        exec.write(v, slot).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The program's input values, in the trainer's input order.
+fn program_inputs(exec: &dyn Executor) -> Vec<ValueId> {
+    exec.program()
         .graph
         .inputs
         .iter()
         .map(|i| i.value)
-        .collect();
-    for (v, slot) in inputs.into_iter().zip(slots) {
-        exec.write(v, slot).map_err(err)?;
-    }
-    Ok(())
+        .collect()
 }
 
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
@@ -304,13 +307,7 @@ impl Trainer {
         let Some(exec) = self.exec.as_mut() else {
             return Ok(());
         };
-        let inputs: Vec<_> = exec
-            .program()
-            .graph
-            .inputs
-            .iter()
-            .map(|i| i.value)
-            .collect();
+        let inputs = program_inputs(exec.as_ref());
         for ((v, slot), feed) in inputs.into_iter().zip(&mut self.slots).zip(&self.feeds) {
             if matches!(feed, Feed::Carried) {
                 *slot = exec.read(v).map_err(err)?;
@@ -395,9 +392,14 @@ impl Trainer {
         tokens: usize,
     ) -> Result<StepMetrics, TrainError> {
         let t0 = Instant::now();
-        let g = &exec.program().graph;
-        let inputs: Vec<ValueId> = g.inputs.iter().map(|i| i.value).collect();
-        let outputs: Vec<ValueId> = g.outputs.iter().map(|o| o.value).collect();
+        let inputs = program_inputs(exec);
+        let outputs: Vec<ValueId> = exec
+            .program()
+            .graph
+            .outputs
+            .iter()
+            .map(|o| o.value)
+            .collect();
         for ((v, slot), feed) in inputs.into_iter().zip(slots).zip(feeds) {
             if !matches!(feed, Feed::Carried) {
                 exec.write(v, slot)

@@ -139,24 +139,19 @@ impl Expr {
     }
 
     fn shift_inputs(self, by: u32) -> Expr {
-        let s = |e: Box<Expr>| Box::new(e.shift_inputs(by));
-        match self {
-            Expr::Input(k) => Expr::Input(k + by),
-            Expr::Const(c) => Expr::Const(c),
-            Expr::Unary(u, a) => Expr::Unary(u, s(a)),
-            Expr::Trunc(a) => Expr::Trunc(s(a)),
-            Expr::NonZero(a) => Expr::NonZero(s(a)),
-            Expr::Binary(o, a, b) => Expr::Binary(o, s(a), s(b)),
-            Expr::Compare(o, a, b) => Expr::Compare(o, s(a), s(b)),
-            Expr::Select(c, a, b) => Expr::Select(s(c), s(a), s(b)),
-        }
+        self.map_inputs(&|k| Expr::Input(k + by))
     }
 
     /// Replaces `Input(k)` by `with[k]`.
     fn substitute(self, with: &[Expr]) -> Expr {
-        let s = |e: Box<Expr>| Box::new(e.substitute(with));
+        self.map_inputs(&|k| with[k as usize].clone())
+    }
+
+    /// Replaces every `Input(k)` by `f(k)`.
+    fn map_inputs(self, f: &dyn Fn(u32) -> Expr) -> Expr {
+        let s = |e: Box<Expr>| Box::new(e.map_inputs(f));
         match self {
-            Expr::Input(k) => with[k as usize].clone(),
+            Expr::Input(k) => f(k),
             Expr::Const(c) => Expr::Const(c),
             Expr::Unary(u, a) => Expr::Unary(u, s(a)),
             Expr::Trunc(a) => Expr::Trunc(s(a)),
