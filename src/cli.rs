@@ -114,7 +114,7 @@ pub enum PassesCommand {
 #[derive(clap::Args, Debug)]
 pub struct PassArgs {
     /// Pass pipeline: comma-separated names, each `NAME` or `NAME=OPTION`, run in order.
-    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce); `none` runs no pass.
+    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce,capture); `none` runs no pass.
     /// `graphtrain passes list` shows the passes.
     #[arg(long, default_value = "default")]
     pub passes: String,
@@ -699,10 +699,10 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         ),
         |m| {
             say!(
-                "step: {:>2} loss: {:.4} time: {:.3}s{}",
+                "step: {:>2} loss: {:.4} time: {}{}",
                 m.step,
                 m.loss,
-                m.seconds,
+                duration(m.seconds),
                 if m.step <= warmup { "  (warmup)" } else { "" }
             )
         },
@@ -718,10 +718,10 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         None => format!("n/a ({} has no hardware peak)", s.backend),
     };
     say!(
-        "summary: median_tps: {:.0} best_tps: {:.0} median_step: {:.3}s achieved: {:.2} GFLOP/s mfu: {mfu}",
+        "summary: median_tps: {:.0} best_tps: {:.0} median_step: {} achieved: {:.2} GFLOP/s mfu: {mfu}",
         s.median_tps,
         s.best_tps,
-        s.median_step_s,
+        duration(s.median_step_s),
         s.achieved_gflops,
     );
     say!(
@@ -862,4 +862,14 @@ fn check(file: PathBuf) -> Result<(), String> {
         s.flops / 1e9
     );
     Ok(())
+}
+
+/// Seconds for a step-time column: milliseconds below one second, so a sub-millisecond step
+/// still shows its figure.
+fn duration(seconds: f64) -> String {
+    if seconds < 1.0 {
+        format!("{:.3}ms", seconds * 1e3)
+    } else {
+        format!("{seconds:.3}s")
+    }
 }

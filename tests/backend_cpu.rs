@@ -1,13 +1,14 @@
 //! The cpu backend against the reference interpreter, op by op and for whole train steps, plus the
 //! bitwise gate between the fused and the eager lowering on the same backend.
 //!
-//! Every case runs a small graph (text format) on seeded random inputs three ways: interpreter,
-//! cpu eager, cpu fused. cpu must match the interpreter to 1e-4 relative (the interpreter
-//! computes in f64 and rounds each op to f32; cpu computes in f32), and eager must equal fused
-//! bit for bit. Shapes are odd on purpose: not multiples of the 8-wide vectors or the GEMM tiles.
+//! Every case runs a small graph (text format) on seeded random inputs five ways: interpreter,
+//! cpu eager, cpu fused, and both again with every step captured (replayed as bound launches,
+//! not dispatched through cubecl). cpu must match the interpreter to 1e-4 relative (the
+//! interpreter computes in f64 and rounds each op to f32; cpu computes in f32); eager must equal
+//! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not multiples of the 8-wide vectors or the GEMM tiles.
 
 use graphtrain::gate;
-use graphtrain_ir::{text, HostTensor};
+use graphtrain_ir::{text, Graph, HostTensor};
 use graphtrain_lowering::Mode;
 use graphtrain_passes::testing::random_inputs;
 use graphtrain_runtime::{run_once, Backend};
@@ -27,6 +28,23 @@ fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+fn bitwise_equal(a: &HostTensor, b: &HostTensor) -> bool {
+    a.data
+        .iter()
+        .zip(&b.data)
+        .all(|(x, y)| (x.to_bits() == y.to_bits()) || (x.is_nan() && y.is_nan()))
+}
+
+/// `g` with every node in capture region 0, so the cpu backend replays all its kernel steps
+/// as bound launches instead of dispatching them through cubecl.
+fn captured(g: &Graph) -> Graph {
+    let mut g = g.clone();
+    for n in &mut g.nodes {
+        n.meta.tags.region = Some(0);
+    }
+    g
+}
+
 fn check(name: &str, src: &str) {
     let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
     for seed in 0..2 {
@@ -36,6 +54,10 @@ fn check(name: &str, src: &str) {
             .unwrap_or_else(|e| panic!("{name}: cpu eager: {e}"));
         let fused = run_once(&g, Backend::Cpu, Mode::Fused, &inputs)
             .unwrap_or_else(|e| panic!("{name}: cpu fused: {e}"));
+        let replayed = [Mode::Eager, Mode::Fused].map(|mode| {
+            run_once(&captured(&g), Backend::Cpu, mode, &inputs)
+                .unwrap_or_else(|e| panic!("{name}: cpu {mode:?} captured: {e}"))
+        });
         for (k, ((w, e), f)) in want.iter().zip(&eager).zip(&fused).enumerate() {
             assert_eq!(w.ty, e.ty, "{name}: output {k} type");
             let err = rel_err(e, w);
@@ -43,14 +65,13 @@ fn check(name: &str, src: &str) {
                 err <= 1e-4,
                 "{name} (seed {seed}): output {k} differs from the interpreter by {err:e}"
             );
-            let same = e
-                .data
-                .iter()
-                .zip(&f.data)
-                .all(|(x, y)| (x.to_bits() == y.to_bits()) || (x.is_nan() && y.is_nan()));
             assert!(
-                same,
+                bitwise_equal(e, f),
                 "{name} (seed {seed}): output {k}: fused and eager differ (not bitwise equal)"
+            );
+            assert!(
+                bitwise_equal(e, &replayed[0][k]) && bitwise_equal(f, &replayed[1][k]),
+                "{name} (seed {seed}): output {k}: replayed launches differ from dispatched ones"
             );
         }
     }
@@ -200,6 +221,34 @@ fn reductions_over_leading_trailing_and_middle_axes() {
   output b = %2
   output c = %3
   output d = %4
+}",
+    );
+}
+
+/// Sizes large enough that maps, copies and reductions split over every core (4096 elements,
+/// 64 outputs), odd so the vector tail runs too, and a copy over five strided dims (peeled into
+/// several launches).
+#[test]
+fn multi_unit_launches_with_odd_sizes() {
+    check(
+        "multi-unit",
+        "graph g {
+  input %x: f32[67,129]
+  input %y: f32[67,129]
+  input %r: f32[67,1]
+  input %t: f32[2,3,5,7,11]
+  %4: f32[67,129] = mul(%x, %y)
+  %5: f32[67,129] = exp(%4)
+  %6: f32[67,129] = expand(%r, shape=[67,129])
+  %7: f32[67,129] = sub(%5, %6)
+  %8: f32[67] = reduce_sum(%7, axes=[1], keepdim=false)
+  %9: f32[129] = reduce_max(%7, axes=[0], keepdim=false)
+  %10: f32[129,67] = transpose(%7, perm=[1,0])
+  %11: f32[11,7,5,3,2] = transpose(%t, perm=[4,3,2,1,0])
+  output a = %8
+  output b = %9
+  output c = %10
+  output d = %11
 }",
     );
 }

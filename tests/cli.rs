@@ -179,7 +179,7 @@ fn passes_list_and_explain() {
         "canonicalize",
         "cse",
         "dce",
-        "default pipeline: canonicalize,cse,dce",
+        "default pipeline: canonicalize,cse,dce,capture",
     ] {
         assert!(out.contains(name), "`{name}` missing:\n{out}");
     }

@@ -350,6 +350,10 @@ pub struct Program {
     /// by the interpreter and written into the arena when the program loads. They keep their
     /// buffers for the whole program.
     pub constants: Vec<(ValueId, HostTensor)>,
+    /// Per step, the capture region (`meta.tags.region`, set by the `capture` pass) of the node
+    /// that produces what the step writes: a runtime replays a run of steps of one region as a
+    /// pre-bound launch list, and dispatches steps with no region one by one.
+    pub step_regions: Vec<Option<u32>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -424,12 +428,18 @@ pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
     slots.extend(steps.iter().map(|s| (s.reads(), vec![s.writes()])));
     slots.push((const_ids, Vec::new()));
     let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
+    let producers = graph.producers();
+    let step_regions = steps
+        .iter()
+        .map(|s| producers[s.writes().index()].and_then(|n| graph.nodes[n].meta.tags.region))
+        .collect();
     Ok(Program {
         graph,
         steps,
         plan,
         mode,
         constants,
+        step_regions,
     })
 }
 

@@ -5,11 +5,13 @@
 //! a maximal run of consecutive nodes in schedule order with no capture breaker in it; ids are
 //! dense from 0 in schedule order. Regions may span phases: the whole step can be one region.
 //!
-//! What a region becomes is the lowering's and runtime's business, and lands with that work: a CUDA
-//! graph on cuda, and on cpu and wgpu a launch list bound to its buffers once and then replayed
-//! without per-op dispatch. Until then nothing reads these tags. Capture relies on what the IR
-//! already guarantees (static shapes, randomness keyed by a seed input, no host reads inside the
-//! step) plus the memory planner keeping buffer addresses fixed between replays.
+//! What a region becomes is the lowering's and runtime's business. On cpu (today) each kernel
+//! step of a region is bound to the arena on its first run and then replayed by direct calls into
+//! its compiled kernel, without cubecl's per-launch dispatch (`runtime/src/replay.rs`); steps
+//! outside every region are dispatched one by one. On cuda a region would become a CUDA graph.
+//! Capture relies on what the IR already guarantees (static shapes, randomness keyed by a seed
+//! input, no host reads inside the step) plus the memory planner keeping buffer addresses fixed
+//! between replays.
 //!
 //! Capture breakers, each left uncaptured and reported as a decline with its reason:
 //! - `offload` and `reload`: host-memory transfers synchronize with the host allocator, which a
@@ -39,9 +41,9 @@ pub const INFO: PassInfo = PassInfo {
 capture breaker; ids are dense from 0 in schedule order and earlier region tags are replaced. \
 Breakers are offload and reload (host-memory transfers synchronize with the host allocator) and \
 nodes excluded with exclude:MODULE; each is declined with its reason, and so is every region \
-shorter than min:N nodes (default 2). Tier 1: only tags change. The runtime replay (CUDA graphs on \
-cuda, a pre-bound launch list on cpu and wgpu) comes with the lowering; until then nothing reads \
-the tags.",
+shorter than min:N nodes (default 2). Tier 1: only tags change. The cpu runtime replays the \
+kernel steps of each region as launches bound once to the arena (bitwise equal to dispatching \
+them); other steps are dispatched one by one.",
     option_help: Some(
         "min:N (regions below N nodes stay uncaptured, N >= 1, default 2) and exclude:MODULE \
 (never capture that module or anything under it), joined with `;`, e.g. min:4;exclude:optim",

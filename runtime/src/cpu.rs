@@ -12,9 +12,9 @@
 //! (`sync`), then runs on the calling thread, so every step sees its predecessors' writes.
 
 use crate::gemm::{self, Layout};
-use crate::kernels::{
-    copy_kernel, map_kernel, reduce_kernel, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR,
-};
+use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR};
+use crate::pool::Pool;
+use crate::replay::{BoundLaunch, KernelCache, KernelCall};
 use crate::{Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
@@ -39,6 +39,12 @@ pub struct CpuExecutor {
     base: *mut f32,
     len: usize,
     threads: usize,
+    /// Compiled kernels of the bound launches.
+    cache: KernelCache,
+    /// Per step of a captured region, its launches bound to the arena (on its first run).
+    bound: Vec<Option<Vec<BoundLaunch>>>,
+    /// Whether launches dispatched through cubecl may still be queued.
+    queued: bool,
     /// Time spent in the first run (kernel JIT included).
     pub first_run: Option<Duration>,
     /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
@@ -69,6 +75,7 @@ impl CpuExecutor {
             )));
         }
         let constants = program.constants.clone();
+        let steps = program.steps.len();
         let mut exec = CpuExecutor {
             program,
             client,
@@ -76,7 +83,10 @@ impl CpuExecutor {
             _resource: Box::new(resource),
             base: ptr as *mut f32,
             len,
-            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            threads: Pool::global().width(),
+            cache: KernelCache::default(),
+            bound: vec![None; steps],
+            queued: false,
             first_run: None,
             profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
         };
@@ -86,7 +96,12 @@ impl CpuExecutor {
         Ok(exec)
     }
 
-    fn sync(&self) -> Result<(), RuntimeError> {
+    /// Waits for the launches dispatched through cubecl, if any are queued.
+    fn sync(&mut self) -> Result<(), RuntimeError> {
+        if !self.queued {
+            return Ok(());
+        }
+        self.queued = false;
         cubecl::future::block_on(self.client.sync())
             .map_err(|e| RuntimeError::Backend(format!("a kernel failed: {e:?}")))
     }
@@ -105,16 +120,46 @@ impl CpuExecutor {
         self.program.graph.ty(v).numel()
     }
 
-    fn launch_map(&self, step: &Step) {
-        let Step::Map {
-            out,
-            len,
-            inputs,
-            expr,
-        } = step
-        else {
-            unreachable!()
-        };
+    /// The kernel launches of a map, copy or reduce step; `None` for the other steps.
+    fn kernel_calls(&self, step: &Step) -> Result<Option<Vec<KernelCall>>, RuntimeError> {
+        let mut calls = Vec::new();
+        match step {
+            Step::Map {
+                out,
+                len,
+                inputs,
+                expr,
+            } => self.map_calls(*out, *len, inputs, expr, &mut calls),
+            Step::Copy { dst, src } => {
+                if src.numel() > 0 {
+                    let dims = collapse(&src.shape, &[&src.strides, &dst.strides]);
+                    self.copy_calls(
+                        &dims,
+                        self.off(src.base) + src.offset,
+                        self.off(dst.base) + dst.offset,
+                        &mut calls,
+                    );
+                }
+            }
+            Step::Reduce {
+                kind,
+                out,
+                src,
+                out_rank,
+            } => self.reduce_calls(*kind, *out, src, *out_rank, &mut calls)?,
+            _ => return Ok(None),
+        }
+        Ok(Some(calls))
+    }
+
+    fn map_calls(
+        &self,
+        out: ValueId,
+        len: usize,
+        inputs: &[graphtrain_lowering::MapInput],
+        expr: &graphtrain_lowering::Expr,
+        calls: &mut Vec<KernelCall>,
+    ) {
         let mut offs = [0usize; 6];
         let mut params = [1usize; 6];
         let mut modes = 0u32;
@@ -141,7 +186,7 @@ impl CpuExecutor {
             };
             modes |= mode << (2 * k);
         }
-        let out_off = self.off(*out);
+        let out_off = self.off(out);
         // Whole vectors first; the tail (len % VECTOR) with a width-1 launch of the same kernel.
         let body = if vectorizable {
             len / VECTOR * VECTOR
@@ -149,7 +194,7 @@ impl CpuExecutor {
             0
         };
         let units = units();
-        let launch = |width: usize, start: usize, count: usize| {
+        let mut push = |width: usize, start: usize, count: usize| {
             if count == 0 {
                 return;
             }
@@ -161,14 +206,12 @@ impl CpuExecutor {
                     offs[k]
                 }
             };
-            // SAFETY: every offset + count is inside the arena (the planner sized it).
-            unsafe {
-                map_kernel::launch_unchecked(
-                    &self.client,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(if count >= 4096 { units } else { 1 }),
-                    width,
-                    BufferArg::from_raw_parts(self.arena.clone(), self.len / width),
+            calls.push(KernelCall::Map {
+                width,
+                units: if count >= 4096 { units } else { 1 },
+                modes,
+                expr: expr.clone(),
+                args: [
                     o(0),
                     o(1),
                     o(2),
@@ -185,35 +228,26 @@ impl CpuExecutor {
                     width,
                     (out_off + start) / width,
                     count / width,
-                    modes,
-                    expr.clone(),
-                );
-            }
+                ],
+            });
         };
-        launch(VECTOR, 0, body);
-        launch(1, body, len - body);
-    }
-
-    fn launch_copy(&self, dst: &View, src: &View) -> Result<(), RuntimeError> {
-        let dims = collapse(&src.shape, &[&src.strides, &dst.strides]);
-        if src.numel() == 0 {
-            return Ok(());
-        }
-        self.copy_dims(
-            &dims,
-            self.off(src.base) + src.offset,
-            self.off(dst.base) + dst.offset,
-        );
-        Ok(())
+        push(VECTOR, 0, body);
+        push(1, body, len - body);
     }
 
     /// One launch for up to four strided dims; more are peeled off on the host, one launch per
     /// index of the outermost dim.
-    fn copy_dims(&self, dims: &[(usize, Vec<usize>)], src: usize, dst: usize) {
+    fn copy_calls(
+        &self,
+        dims: &[(usize, Vec<usize>)],
+        src: usize,
+        dst: usize,
+        calls: &mut Vec<KernelCall>,
+    ) {
         if dims.len() > 4 {
             let (n, st) = &dims[0];
             for i in 0..*n {
-                self.copy_dims(&dims[1..], src + i * st[0], dst + i * st[1]);
+                self.copy_calls(&dims[1..], src + i * st[0], dst + i * st[1], calls);
             }
             return;
         }
@@ -227,38 +261,21 @@ impl CpuExecutor {
             s[pad + d] = st[0];
             t[pad + d] = st[1];
         }
-        let units = units();
-        // SAFETY: the views lie inside their values' planned buffers.
-        unsafe {
-            copy_kernel::launch_unchecked(
-                &self.client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(if len >= 4096 { units } else { 1 }),
-                BufferArg::from_raw_parts(self.arena.clone(), self.len),
-                len,
-                n[1],
-                n[2],
-                n[3],
-                s[0],
-                s[1],
-                s[2],
-                s[3],
-                t[0],
-                t[1],
-                t[2],
-                t[3],
-                src,
-                dst,
-            );
-        }
+        calls.push(KernelCall::Copy {
+            units: if len >= 4096 { units() } else { 1 },
+            args: [
+                len, n[1], n[2], n[3], s[0], s[1], s[2], s[3], t[0], t[1], t[2], t[3], src, dst,
+            ],
+        });
     }
 
-    fn launch_reduce(
+    fn reduce_calls(
         &self,
         kind: ReduceKind,
         out: ValueId,
         src: &View,
         out_rank: usize,
+        calls: &mut Vec<KernelCall>,
     ) -> Result<(), RuntimeError> {
         let (keep_shape, red_shape) = src.shape.split_at(out_rank);
         let (keep_st, red_st) = src.strides.split_at(out_rank);
@@ -290,14 +307,10 @@ impl CpuExecutor {
         if red_shape.contains(&0) {
             m = [0, 1];
         }
-        let units = units();
-        // SAFETY: the view lies inside its value's planned buffer.
-        unsafe {
-            reduce_kernel::launch_unchecked(
-                &self.client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(if len >= 64 { units } else { 1 }),
-                BufferArg::from_raw_parts(self.arena.clone(), self.len),
+        calls.push(KernelCall::Reduce {
+            units: if len >= 64 { units() } else { 1 },
+            is_max: kind == ReduceKind::Max,
+            args: [
                 len,
                 n[1],
                 n[2],
@@ -310,9 +323,8 @@ impl CpuExecutor {
                 q[1],
                 self.off(src.base) + src.offset,
                 self.off(out),
-                kind == ReduceKind::Max,
-            );
-        }
+            ],
+        });
         Ok(())
     }
 
@@ -505,9 +517,9 @@ impl Executor for CpuExecutor {
         let started = Instant::now();
         let steps = std::mem::take(&mut self.program.steps);
         let result = (|| {
-            for step in &steps {
+            for (i, step) in steps.iter().enumerate() {
                 let t = Instant::now();
-                self.run_step(step)?;
+                self.run_step(i, step)?;
                 if self.profile.is_some() {
                     self.sync()?;
                 }
@@ -568,30 +580,58 @@ fn profile_key(p: &Program, s: &Step) -> String {
 }
 
 impl CpuExecutor {
-    fn run_step(&mut self, step: &Step) -> Result<(), RuntimeError> {
-        {
-            {
-                match step {
-                    Step::Map { .. } => self.launch_map(step),
-                    Step::Copy { dst, src } => self.launch_copy(dst, src)?,
-                    Step::Reduce {
-                        kind,
-                        out,
-                        src,
-                        out_rank,
-                    } => self.launch_reduce(*kind, *out, src, *out_rank)?,
-                    Step::Matmul {
-                        out,
-                        a,
-                        b,
-                        batch,
-                        m,
-                        n,
-                        k,
-                    } => self.matmul(*out, a, b, *batch, *m, *n, *k)?,
-                    _ => self.host_step(step)?,
-                }
+    /// Runs step `i`. A kernel step of a captured region runs its bound launches directly; any
+    /// other kernel step is dispatched through cubecl; matmul and host steps run here, after
+    /// the dispatched launches they may depend on.
+    fn run_step(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
+        let captured = self
+            .program
+            .step_regions
+            .get(i)
+            .copied()
+            .flatten()
+            .is_some();
+        if captured && self.bound[i].is_some() {
+            self.sync()?;
+            for launch in self.bound[i].as_ref().into_iter().flatten() {
+                launch.run(Pool::global());
             }
+            return Ok(());
+        }
+        match self.kernel_calls(step)? {
+            Some(calls) if captured => {
+                let mut bound = Vec::with_capacity(calls.len());
+                for call in &calls {
+                    bound.push(self.cache.bind(
+                        call,
+                        &self.client,
+                        &self.arena,
+                        self.base,
+                        self.len,
+                    )?);
+                }
+                self.bound[i] = Some(bound);
+                self.run_step(i, step)?;
+            }
+            Some(calls) => {
+                for call in &calls {
+                    // SAFETY: every offset + count is inside the arena (the planner sized it).
+                    unsafe { call.dispatch(&self.client, &self.arena, self.len) };
+                }
+                self.queued |= !calls.is_empty();
+            }
+            None => match step {
+                Step::Matmul {
+                    out,
+                    a,
+                    b,
+                    batch,
+                    m,
+                    n,
+                    k,
+                } => self.matmul(*out, a, b, *batch, *m, *n, *k)?,
+                _ => self.host_step(step)?,
+            },
         }
         Ok(())
     }

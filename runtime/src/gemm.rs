@@ -39,7 +39,7 @@ const MAX_TILE: usize = 12 * 32;
 
 /// C[b] = A[b] @ B[b] for b in 0..batch, C contiguous row-major (m x n, batch stride m*n), overwritten (not accumulated).
 /// A is m x k, B is k x n. batch_stride 0 on B means B is shared by all batches.
-/// `threads` >= 1 worker threads (use std::thread::scope; spawn threads-1 and work on the calling thread too).
+/// `threads` >= 1: how many threads of the cpu pool (`pool.rs`, the caller included) may share the tasks.
 ///
 /// # Safety
 /// `a`, `b` must be valid for the reads described by their layouts for all
@@ -279,12 +279,7 @@ unsafe fn sgemm_path(
     if threads == 1 {
         worker();
     } else {
-        std::thread::scope(|s| {
-            for _ in 1..threads {
-                s.spawn(worker);
-            }
-            worker();
-        });
+        crate::pool::Pool::global().run(threads, &|_| worker());
     }
 }
 

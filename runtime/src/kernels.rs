@@ -169,7 +169,7 @@ fn eval<N: Size>(
 
 /// `arena[out + i] = expr(inputs at i)` for `i < len` (`out` and `len` in vectors of `N`); how
 /// each input is read is in `modes` and `args` (see `MapArgs`).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn map_kernel<N: Size>(
     arena: &mut [Vector<f32, N>],
@@ -223,7 +223,7 @@ pub fn map_kernel<N: Size>(
 /// Strided copy over up to four dims `[n0, n1, n2, n3]` (`n0` derived from `len`):
 /// `arena[dst + Σ idx·t] = arena[src + Σ idx·s]`. Units take whole rows of the innermost dim,
 /// so the index arithmetic is paid once per row, not per element.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_kernel(
     arena: &mut [f32],
@@ -265,7 +265,7 @@ pub fn copy_kernel(
 
 /// `arena[out + o] = reduce_{r0 < m0, r1 < m1} arena[src + base(o) + r0·q0 + r1·q1]` where
 /// `o` walks `[len / (n1·n2), n1, n2]` with source strides `s0, s1, s2`, in index order.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_kernel(
     arena: &mut [f32],

@@ -13,6 +13,8 @@
 pub mod cpu;
 pub mod gemm;
 pub mod kernels;
+pub mod pool;
+pub mod replay;
 
 use graphtrain_ir::{interp, Graph, HostTensor, ValueId};
 use graphtrain_lowering::{lower, Mode, Program};

@@ -1,0 +1,390 @@
+//! Captured regions on the cpu backend: launches bound once to the arena and replayed by direct
+//! calls into the JIT-compiled kernels, without cubecl's per-launch dispatch.
+//!
+//! A `KernelCall` is one launch with every argument resolved. The executor either dispatches it
+//! through cubecl (`launch_unchecked`: the server looks the kernel up, stages its bindings, queues
+//! it to the dispatcher threads; about 350 us per launch here, docs/cubecl-notes.md), or binds it
+//! (`bind`): the same kernel is compiled once through the same cubecl compiler, with the same
+//! cube dim, vector width and buffer alignment, and its scalar block is laid out with cubecl's own
+//! `InfoBuilder`, exactly as `launch_unchecked` registers it. A bound launch then costs one call
+//! per unit on the fork-join pool (`pool.rs`).
+//!
+//! Guarantee: a bound launch runs the same machine code over the same arguments and the same
+//! work split as the dispatched one, so replay is bitwise equal to dispatch (tested in
+//! tests/backend_cpu.rs and by the pipeline gate).
+
+use crate::kernels::{copy_kernel, map_kernel, reduce_kernel};
+use crate::pool::Pool;
+use crate::RuntimeError;
+use cubecl::cpu::CpuCompiler;
+use cubecl::ir::{AddressType, ElemType};
+use cubecl::prelude::*;
+use cubecl::{Compiler, CubeKernel, InfoBuilder};
+use cubecl_llvm::{PlironData, PlironEngine, PlironOptions};
+use graphtrain_lowering::Expr;
+use std::collections::HashMap;
+
+/// The arena's base alignment, which the kernels are compiled for (cubecl-cpu compiles a launch
+/// whose buffers start at their allocation for its storage alignment, 64 bytes).
+const ARENA_ALIGN: u32 = 64;
+
+/// One kernel launch, fully resolved. The scalar arguments are in the kernel's parameter order
+/// (see `kernels.rs`).
+#[derive(Clone, Debug)]
+pub enum KernelCall {
+    Map {
+        width: usize,
+        units: u32,
+        modes: u32,
+        expr: Expr,
+        args: [usize; 16],
+    },
+    Copy {
+        units: u32,
+        args: [usize; 14],
+    },
+    Reduce {
+        units: u32,
+        is_max: bool,
+        args: [usize; 12],
+    },
+}
+
+/// What picks a compiled kernel: the comptime arguments, the vector width and the cube dim.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum KernelKey {
+    Map {
+        width: usize,
+        units: u32,
+        modes: u32,
+        expr: Expr,
+    },
+    Copy {
+        units: u32,
+    },
+    Reduce {
+        units: u32,
+        is_max: bool,
+    },
+}
+
+impl KernelCall {
+    fn key(&self) -> KernelKey {
+        match self {
+            KernelCall::Map {
+                width,
+                units,
+                modes,
+                expr,
+                ..
+            } => KernelKey::Map {
+                width: *width,
+                units: *units,
+                modes: *modes,
+                expr: expr.clone(),
+            },
+            KernelCall::Copy { units, .. } => KernelKey::Copy { units: *units },
+            KernelCall::Reduce { units, is_max, .. } => KernelKey::Reduce {
+                units: *units,
+                is_max: *is_max,
+            },
+        }
+    }
+
+    fn units(&self) -> u32 {
+        match self {
+            KernelCall::Map { units, .. }
+            | KernelCall::Copy { units, .. }
+            | KernelCall::Reduce { units, .. } => *units,
+        }
+    }
+
+    fn scalars(&self) -> &[usize] {
+        match self {
+            KernelCall::Map { args, .. } => args,
+            KernelCall::Copy { args, .. } => args,
+            KernelCall::Reduce { args, .. } => args,
+        }
+    }
+
+    /// Elements of the bound buffer, in the kernel's element type (vectors for a map).
+    fn buffer_len(&self, arena_elems: usize) -> usize {
+        match self {
+            KernelCall::Map { width, .. } => arena_elems / width,
+            _ => arena_elems,
+        }
+    }
+
+    /// Queues the launch through cubecl's launch path.
+    ///
+    /// # Safety
+    /// Every offset the arguments name must lie inside the arena (the planner sized it).
+    pub unsafe fn dispatch(
+        &self,
+        client: &Client,
+        arena: &cubecl::server::Handle,
+        arena_elems: usize,
+    ) {
+        let count = CubeCount::Static(1, 1, 1);
+        let buffer = BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems));
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match self {
+                KernelCall::Map {
+                    width,
+                    units,
+                    modes,
+                    expr,
+                    args: a,
+                } => map_kernel::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(*units),
+                    *width,
+                    buffer,
+                    a[0],
+                    a[1],
+                    a[2],
+                    a[3],
+                    a[4],
+                    a[5],
+                    a[6],
+                    a[7],
+                    a[8],
+                    a[9],
+                    a[10],
+                    a[11],
+                    a[12],
+                    a[13],
+                    a[14],
+                    a[15],
+                    *modes,
+                    expr.clone(),
+                ),
+                KernelCall::Copy { units, args: a } => copy_kernel::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(*units),
+                    buffer,
+                    a[0],
+                    a[1],
+                    a[2],
+                    a[3],
+                    a[4],
+                    a[5],
+                    a[6],
+                    a[7],
+                    a[8],
+                    a[9],
+                    a[10],
+                    a[11],
+                    a[12],
+                    a[13],
+                ),
+                KernelCall::Reduce {
+                    units,
+                    is_max,
+                    args: a,
+                } => reduce_kernel::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(*units),
+                    buffer,
+                    a[0],
+                    a[1],
+                    a[2],
+                    a[3],
+                    a[4],
+                    a[5],
+                    a[6],
+                    a[7],
+                    a[8],
+                    a[9],
+                    a[10],
+                    a[11],
+                    *is_max,
+                ),
+            }
+        }
+    }
+
+    /// The kernel object a launch would hand to the server, for compiling it ourselves.
+    fn kernel(
+        &self,
+        client: &Client,
+        arena: &cubecl::server::Handle,
+        arena_elems: usize,
+    ) -> Box<dyn CubeKernel> {
+        let props = client.properties_shared();
+        let target = client.target_properties_shared();
+        let count = CubeCount::Static(1, 1, 1);
+        // SAFETY: the buffer is only used to compile the kernel; nothing is launched with it.
+        let buffer =
+            unsafe { BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems)) };
+        match self {
+            KernelCall::Map {
+                width,
+                units,
+                modes,
+                expr,
+                args: a,
+            } => Box::new(map_kernel::create_dummy_kernel(
+                props,
+                target,
+                count,
+                CubeDim::new_1d(*units),
+                *width,
+                buffer,
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                a[4],
+                a[5],
+                a[6],
+                a[7],
+                a[8],
+                a[9],
+                a[10],
+                a[11],
+                a[12],
+                a[13],
+                a[14],
+                a[15],
+                *modes,
+                expr.clone(),
+            )),
+            KernelCall::Copy { units, args: a } => Box::new(copy_kernel::create_dummy_kernel(
+                props,
+                target,
+                count,
+                CubeDim::new_1d(*units),
+                buffer,
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                a[4],
+                a[5],
+                a[6],
+                a[7],
+                a[8],
+                a[9],
+                a[10],
+                a[11],
+                a[12],
+                a[13],
+            )),
+            KernelCall::Reduce {
+                units,
+                is_max,
+                args: a,
+            } => Box::new(reduce_kernel::create_dummy_kernel(
+                props,
+                target,
+                count,
+                CubeDim::new_1d(*units),
+                buffer,
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                a[4],
+                a[5],
+                a[6],
+                a[7],
+                a[8],
+                a[9],
+                a[10],
+                a[11],
+                *is_max,
+            )),
+        }
+    }
+}
+
+/// A launch bound to the arena: its compiled kernel and its argument block, ready to call.
+#[derive(Clone)]
+pub struct BoundLaunch {
+    engine: PlironEngine,
+    data: PlironData,
+    units: u32,
+}
+
+impl BoundLaunch {
+    /// Runs every unit of the launch on the pool and returns when all are done.
+    pub fn run(&self, pool: &Pool) {
+        pool.run(self.units as usize, &|u| {
+            let mut data = self.data.clone();
+            data.set_unit_pos([u as u32, 0, 0]);
+            self.engine.run_kernel(&mut data);
+        });
+    }
+}
+
+/// Compiled kernels by what picks them; one JIT compile per distinct kernel, shared by every
+/// launch bound to it.
+#[derive(Default)]
+pub struct KernelCache {
+    engines: HashMap<KernelKey, PlironEngine>,
+}
+
+impl KernelCache {
+    /// Binds `call` to the arena at `base` (`arena_elems` f32 long).
+    pub fn bind(
+        &mut self,
+        call: &KernelCall,
+        client: &Client,
+        arena: &cubecl::server::Handle,
+        base: *mut f32,
+        arena_elems: usize,
+    ) -> Result<BoundLaunch, RuntimeError> {
+        let key = call.key();
+        let engine = match self.engines.get(&key) {
+            Some(e) => e.clone(),
+            None => {
+                let kernel = call.kernel(client, arena, arena_elems);
+                let compile_error =
+                    |e: cubecl::CompilationError| RuntimeError::Backend(format!("{e:?}"));
+                let definition = cubecl::define_kernel(kernel.as_ref()).map_err(compile_error)?;
+                let options = PlironOptions {
+                    cpu_buffer_alignment: Some(ARENA_ALIGN),
+                    ..Default::default()
+                };
+                let engine = CpuCompiler::default()
+                    .compile(definition, &options)
+                    .map_err(compile_error)?
+                    .expect_jit();
+                if engine.requirements().needs_parallelism
+                    || !engine.requirements().shared_memories.blocks.is_empty()
+                {
+                    return Err(RuntimeError::Backend(
+                        "a replayed kernel may not use cube barriers or shared memory".into(),
+                    ));
+                }
+                self.engines.insert(key, engine.clone());
+                engine
+            }
+        };
+        // The argument block, laid out as `launch_unchecked` registers it: the buffer's length
+        // in the static metadata, the index scalars at the kernel's 32-bit address width.
+        let mut info = InfoBuilder::default();
+        let address = AddressType::U32;
+        info.metadata
+            .register_buffer(call.buffer_len(arena_elems) as u64, address);
+        for &s in call.scalars() {
+            let s = u32::try_from(s).map_err(|_| {
+                RuntimeError::Backend(format!(
+                    "kernel argument {s} does not fit the 32-bit addressing of the cpu kernels"
+                ))
+            })?;
+            info.scalars.push_raw(&s.to_ne_bytes(), ElemType::Index);
+        }
+        let metadata = info.finish(address).data;
+        Ok(BoundLaunch {
+            engine,
+            data: PlironData::new(vec![base.cast()], metadata, [1, 1, 1], Vec::new()),
+            units: call.units(),
+        })
+    }
+}
