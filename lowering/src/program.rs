@@ -8,8 +8,9 @@
 //!   strided operand (matmul, copy, reduce), and an `expand` that only elementwise ops read
 //!   becomes a broadcast `Access` of their operand — in `Fused` mode only;
 //! - fuses elementwise chains (`Fused` mode): a value with one elementwise consumer is computed
-//!   inside that consumer's kernel instead of going through memory — except a product feeding a
-//!   sum (see `is_product`);
+//!   inside that consumer's kernel instead of going through memory. This relies on a backend
+//!   never contracting a product and its sum into an FMA inside one kernel (the cpu kernels hide
+//!   every product from cubecl's optimizer for that; `runtime/src/kernels.rs`, `opaque`);
 //! - plans one arena for all materialized values (`plan_slots`), parameters and optimizer state
 //!   updated in place.
 //!
@@ -975,8 +976,7 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         let single_elementwise_consumer = !is_output[out.index()]
             && cons.len() == 1
             && elementwise_expr(g, cons[0]).is_some()
-            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len
-            && !(is_product(&n.op) && is_sum(&g.nodes[cons[0]].op));
+            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len;
 
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
@@ -1125,23 +1125,6 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         steps.extend(structural_steps(g, k, &|v| view_of(&view, v))?);
     }
     Ok(steps)
-}
-
-/// A product feeding a sum is never inlined: inside one kernel cubecl's optimizer
-/// (`cubecl-opt`'s `InstCombine`, unconditional on every target) turns `a * b + c` into one FMA,
-/// which rounds once where the op-by-op kernels round twice.
-fn is_product(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Binary(BinaryOp::Mul) | Op::MulScalar { .. } | Op::Unary(UnaryOp::Square)
-    )
-}
-
-fn is_sum(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Binary(BinaryOp::Add) | Op::Binary(BinaryOp::Sub) | Op::AddScalar { .. }
-    )
 }
 
 /// Merges repeated inputs (the same value read twice) into one.

@@ -23,8 +23,9 @@ fn main() {
                         8,
                         BufferArg::from_raw_parts(arena.clone(), data.len() / 8),
                         // Input offsets (in vectors) and broadcast parameters of six inputs,
-                        // then the output's first element, the width, the output offset (in
-                        // vectors) and the length (in vectors); all inputs read in full.
+                        // then the output's first element, the width, its log2, the row length,
+                        // the output offset (in vectors) and the length (in vectors); all inputs
+                        // read in full.
                         0usize,
                         0usize,
                         0usize,
@@ -39,6 +40,8 @@ fn main() {
                         1usize,
                         0usize,
                         8usize,
+                        3usize,
+                        1usize,
                         1024usize,
                         16usize,
                         0u32,

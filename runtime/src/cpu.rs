@@ -12,7 +12,7 @@
 //! (`sync`), then runs on the calling thread, so every step sees its predecessors' writes.
 
 use crate::gemm::{self, Layout};
-use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR};
+use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
 use crate::pool::Pool;
 use crate::replay::{BoundLaunch, KernelCache, KernelCall};
 use crate::{Executor, RuntimeError};
@@ -49,7 +49,7 @@ pub struct CpuExecutor {
     pub first_run: Option<Duration>,
     /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
     /// for finding where the time goes.
-    profile: Option<Vec<(String, Duration, usize)>>,
+    profile: Option<Vec<(String, Duration, usize, f64)>>,
 }
 
 type ComputeClient = Client;
@@ -186,6 +186,19 @@ impl CpuExecutor {
             };
             modes |= mode << (2 * k);
         }
+        // The row length: the first broadcast input's parameter; every broadcast input with the
+        // same parameter reads from the kernel's running row/column instead of dividing.
+        let row_len = inputs.iter().enumerate().find_map(|(k, _)| {
+            matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER).then_some(params[k])
+        });
+        if let Some(l) = row_len {
+            for (k, &p) in params.iter().enumerate().take(inputs.len()) {
+                if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == l {
+                    modes |= 1 << (ON_ROW_SHIFT + k as u32);
+                }
+            }
+        }
+        let row_len = row_len.unwrap_or(1);
         let out_off = self.off(out);
         // Whole vectors first; the tail (len % VECTOR) with a width-1 launch of the same kernel.
         let body = if vectorizable {
@@ -226,6 +239,8 @@ impl CpuExecutor {
                     params[5],
                     start,
                     width,
+                    width.trailing_zeros() as usize,
+                    row_len,
                     (out_off + start) / width,
                     count / width,
                 ],
@@ -310,6 +325,7 @@ impl CpuExecutor {
         calls.push(KernelCall::Reduce {
             units: if len >= 64 { units() } else { 1 },
             is_max: kind == ReduceKind::Max,
+            rows: m[0] == 1 && q[1] == 1,
             args: [
                 len,
                 n[1],
@@ -523,14 +539,15 @@ impl Executor for CpuExecutor {
                 if self.profile.is_some() {
                     self.sync()?;
                 }
-                if let Some(p) = &mut self.profile {
-                    let key = profile_key(&self.program, step);
-                    match p.iter_mut().find(|(k, _, _)| *k == key) {
+                // The first run compiles kernels; it is left out of the profile.
+                if let Some(p) = self.profile.as_mut().filter(|_| self.first_run.is_some()) {
+                    let (key, flops) = profile_key(&self.program, step);
+                    match p.iter_mut().find(|e| e.0 == key) {
                         Some(e) => {
                             e.1 += t.elapsed();
                             e.2 += 1;
                         }
-                        None => p.push((key, t.elapsed(), 1)),
+                        None => p.push((key, t.elapsed(), 1, flops)),
                     }
                 }
             }
@@ -552,12 +569,20 @@ impl Executor for CpuExecutor {
         p.sort_by_key(|e| std::cmp::Reverse(e.1));
         let total: Duration = p.iter().map(|e| e.1).sum();
         let mut out = format!(
-            "profile over all runs so far (each step waited for): {:.3}s\n",
+            "profile over all runs but the first (each step waited for): {:.3}s\n",
             total.as_secs_f64()
         );
-        for (k, d, n) in p.iter().take(25) {
+        for (k, d, n, flops) in p.iter().take(30) {
+            let rate = if *flops > 0.0 {
+                format!(
+                    "  {:.0} GFLOP/s",
+                    flops * *n as f64 / d.as_secs_f64().max(1e-12) / 1e9
+                )
+            } else {
+                String::new()
+            };
             out += &format!(
-                "  {:>8.3}s {:>5.1}% {:>7} launches  {k}\n",
+                "  {:>8.3}s {:>5.1}% {:>7} launches  {k}{rate}\n",
                 d.as_secs_f64(),
                 100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12),
                 n
@@ -567,8 +592,27 @@ impl Executor for CpuExecutor {
     }
 }
 
-/// Groups steps for the profile: kind and size class.
-fn profile_key(p: &Program, s: &Step) -> String {
+/// Groups steps for the profile: matmuls by shape and operand layout (with their FLOPs, so
+/// the report can give GFLOP/s), other steps by kind and size class.
+fn profile_key(p: &Program, s: &Step) -> (String, f64) {
+    if let Step::Matmul {
+        a,
+        b,
+        batch,
+        m,
+        n,
+        k,
+        ..
+    } = s
+    {
+        // A view is read transposed when its rows are not contiguous.
+        let t = |v: &View| if v.strides[2] == 1 { "" } else { "^T" };
+        let flops = 2.0 * (*batch * *m * *n * *k) as f64;
+        return (
+            format!("matmul [{batch}] {m}x{k}{} @ {k}x{n}{}", t(a), t(b)),
+            flops,
+        );
+    }
     let n = p.graph.ty(s.writes()).numel();
     let class = match n {
         0..=4095 => "<4K",
@@ -576,7 +620,7 @@ fn profile_key(p: &Program, s: &Step) -> String {
         262_144..=2_097_151 => "256K-2M",
         _ => ">=2M",
     };
-    format!("{} {class} elems", s.kind())
+    (format!("{} {class} elems", s.kind()), 0.0)
 }
 
 impl CpuExecutor {

@@ -47,9 +47,15 @@ pub const MODE_SCALAR: u32 = 1;
 pub const MODE_OUTER: u32 = 2;
 pub const MODE_INNER: u32 = 3;
 
-/// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets `o*` (in vectors for full inputs, in
-/// elements otherwise) and parameters `p*` (`inner` or `period`), plus `base`, the output
-/// element of vector 0, and `w`, the vector width.
+/// Bit of input `k` in `modes` (above the two-bit access modes) saying that its broadcast
+/// parameter equals the launch's row length `l`: its source is then the running row (outer) or
+/// column (inner) the kernel keeps, with no division per vector.
+pub const ON_ROW_SHIFT: u32 = 16;
+
+/// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets
+/// `o*` (in vectors for full inputs, in elements otherwise) and parameters `p*` (`inner` or
+/// `period`), plus `base`, the output element of vector 0, `w`, the vector width, `shift` and
+/// `mask` (log2 w and w - 1, so element -> vector is a shift, not a division).
 #[derive(CubeType, Clone, Copy)]
 pub struct MapArgs {
     o0: usize,
@@ -66,32 +72,57 @@ pub struct MapArgs {
     p5: usize,
     base: usize,
     w: usize,
+    shift: usize,
+    mask: usize,
 }
 
+/// One vector of input `k` at output vector `i`, which lies in row `row`, column `col` of the
+/// launch's row length.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn load<N: Size>(
     arena: &mut [Vector<f32, N>],
     args: &MapArgs,
     i: usize,
+    row: usize,
+    col: usize,
     #[comptime] k: u32,
     #[comptime] modes: u32,
 ) -> Vector<f32, N> {
     let o = pick(args.o0, args.o1, args.o2, args.o3, args.o4, args.o5, k);
     let mode = comptime!((modes >> (2 * k)) & 3);
+    let on_row = comptime!((modes >> (ON_ROW_SHIFT + k)) & 1 == 1);
     if comptime!(mode == MODE_FULL) {
         arena[o + i]
     } else if comptime!(mode == MODE_SCALAR) {
-        Vector::<f32, N>::new(arena[o / args.w].extract_dynamic(o % args.w))
+        Vector::<f32, N>::new(arena[o >> args.shift].extract_dynamic(o & args.mask))
     } else if comptime!(mode == MODE_OUTER) {
-        let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
         // Every lane of the vector maps to the same source element (inner % w == 0).
-        let e = o + (args.base + i * args.w) / p;
-        Vector::<f32, N>::new(arena[e / args.w].extract_dynamic(e % args.w))
+        let mut e = o + row;
+        if comptime!(!on_row) {
+            let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
+            e = o + (args.base + i * args.w) / p;
+        }
+        Vector::<f32, N>::new(arena[e >> args.shift].extract_dynamic(e & args.mask))
     } else {
-        let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
         // The lanes map to consecutive source elements (period % w == 0).
-        arena[(o + (args.base + i * args.w) % p) / args.w]
+        let mut e = o + col;
+        if comptime!(!on_row) {
+            let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
+            e = o + (args.base + i * args.w) % p;
+        }
+        arena[e >> args.shift]
     }
+}
+
+/// `x` with its defining op hidden from cubecl's optimizer: a bit-for-bit round trip through
+/// `u32` that LLVM folds away. cubecl-opt's `InstCombine` turns a single-use product feeding an
+/// add or subtract into one FMA (one rounding where the op-by-op kernels round twice); it matches
+/// only a product that directly defines the addend, so every product passes through here, and a
+/// fused `a * b + c` rounds exactly like `mul` then `add` run apart.
+#[cube]
+fn opaque<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
+    Vector::<f32, N>::reinterpret(Vector::<u32, N>::reinterpret(x))
 }
 
 #[cube]
@@ -99,14 +130,16 @@ fn eval<N: Size>(
     arena: &mut [Vector<f32, N>],
     args: &MapArgs,
     i: usize,
+    row: usize,
+    col: usize,
     #[comptime] modes: u32,
     #[comptime] e: Expr,
 ) -> Vector<f32, N> {
     match e {
-        Expr::Input(k) => load::<N>(arena, args, i, k, modes),
+        Expr::Input(k) => load::<N>(arena, args, i, row, col, k, modes),
         Expr::Const(bits) => Vector::<f32, N>::new(f32::from_bits(bits)),
         Expr::Unary(op, a) => {
-            let x = eval::<N>(arena, args, i, modes, *a);
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
             let one = Vector::<f32, N>::new(1.0);
             match op {
                 UnaryOp::Neg => -x,
@@ -121,16 +154,16 @@ fn eval<N: Size>(
                 UnaryOp::Sigmoid => one / (one + Vector::exp(-x)),
                 UnaryOp::Silu => x / (one + Vector::exp(-x)),
                 UnaryOp::Abs => Vector::abs(x),
-                UnaryOp::Square => x * x,
+                UnaryOp::Square => opaque::<N>(x * x),
             }
         }
         Expr::Binary(op, a, b) => {
-            let x = eval::<N>(arena, args, i, modes, *a);
-            let y = eval::<N>(arena, args, i, modes, *b);
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let y = eval::<N>(arena, args, i, row, col, modes, *b);
             match op {
                 BinaryOp::Add => x + y,
                 BinaryOp::Sub => x - y,
-                BinaryOp::Mul => x * y,
+                BinaryOp::Mul => opaque::<N>(x * y),
                 BinaryOp::Div => x / y,
                 BinaryOp::Max => max(x, y),
                 BinaryOp::Min => min(x, y),
@@ -138,8 +171,8 @@ fn eval<N: Size>(
             }
         }
         Expr::Compare(op, a, b) => {
-            let x = eval::<N>(arena, args, i, modes, *a);
-            let y = eval::<N>(arena, args, i, modes, *b);
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let y = eval::<N>(arena, args, i, row, col, modes, *b);
             let one = Vector::<f32, N>::new(1.0);
             let zero = Vector::<f32, N>::new(0.0);
             let c = match op {
@@ -153,14 +186,14 @@ fn eval<N: Size>(
             select_many(c, one, zero)
         }
         Expr::Select(c, a, b) => {
-            let cv = eval::<N>(arena, args, i, modes, *c);
-            let x = eval::<N>(arena, args, i, modes, *a);
-            let y = eval::<N>(arena, args, i, modes, *b);
+            let cv = eval::<N>(arena, args, i, row, col, modes, *c);
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let y = eval::<N>(arena, args, i, row, col, modes, *b);
             select_many(cv.not_equal(&Vector::<f32, N>::new(0.0)), x, y)
         }
-        Expr::Trunc(a) => Vector::trunc(eval::<N>(arena, args, i, modes, *a)),
+        Expr::Trunc(a) => Vector::trunc(eval::<N>(arena, args, i, row, col, modes, *a)),
         Expr::NonZero(a) => {
-            let x = eval::<N>(arena, args, i, modes, *a);
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
             let zero = Vector::<f32, N>::new(0.0);
             select_many(x.not_equal(&zero), Vector::<f32, N>::new(1.0), zero)
         }
@@ -187,6 +220,8 @@ pub fn map_kernel<N: Size>(
     p5: usize,
     base: usize,
     w: usize,
+    shift: usize,
+    l: usize,
     out: usize,
     len: usize,
     #[comptime] modes: u32,
@@ -207,6 +242,8 @@ pub fn map_kernel<N: Size>(
         p5,
         base,
         w,
+        shift,
+        mask: w - 1,
     };
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let chunk = len.div_ceil(units);
@@ -215,8 +252,25 @@ pub fn map_kernel<N: Size>(
     if end > len {
         end = len;
     }
+    // Row and column of vector `start` in rows of `l` elements, then kept up to date as `i`
+    // advances by one vector (`l % w == 0`).
+    let rowed = comptime!(modes >> ON_ROW_SHIFT != 0);
+    let mut row = 0;
+    let mut col = 0;
+    if comptime!(rowed) {
+        let pos = base + start * w;
+        row = pos / l;
+        col = pos % l;
+    }
     for i in start..end {
-        arena[out + i] = eval::<N>(arena, &args, i, modes, expr.clone());
+        arena[out + i] = eval::<N>(arena, &args, i, row, col, modes, expr.clone());
+        if comptime!(rowed) {
+            col += w;
+            if col == l {
+                col = 0;
+                row += 1;
+            }
+        }
     }
 }
 
@@ -263,8 +317,23 @@ pub fn copy_kernel(
     }
 }
 
+#[cube]
+fn combine(acc: f32, x: f32, #[comptime] is_max: bool) -> f32 {
+    if comptime!(is_max) {
+        max(acc, x)
+    } else {
+        acc + x
+    }
+}
+
 /// `arena[out + o] = reduce_{r0 < m0, r1 < m1} arena[src + base(o) + r0·q0 + r1·q1]` where
-/// `o` walks `[len / (n1·n2), n1, n2]` with source strides `s0, s1, s2`, in index order.
+/// `o` walks `[len / (n1·n2), n1, n2]` with source strides `s0, s1, s2`.
+///
+/// Order: with `rows` (one contiguous reduced dim: `m0 == 1`, `q1 == 1`), eight running
+/// partials take every eighth element (LLVM turns them into one vector register), are combined
+/// pairwise ((p0·p1)·(p2·p3))·((p4·p5)·(p6·p7)), and the last `m1 % 8` elements follow in order;
+/// otherwise the elements are taken in index order. Either way the order is fixed by the
+/// shape alone.
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_kernel(
@@ -282,6 +351,7 @@ pub fn reduce_kernel(
     src: usize,
     out: usize,
     #[comptime] is_max: bool,
+    #[comptime] rows: bool,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let chunk = len.div_ceil(units);
@@ -290,24 +360,49 @@ pub fn reduce_kernel(
     if end > len {
         end = len;
     }
+    let init = if is_max {
+        f32::new(f32::NEG_INFINITY)
+    } else {
+        f32::new(0.0)
+    };
     for o in start..end {
         let i2 = o % n2;
         let r = o / n2;
         let i1 = r % n1;
         let i0 = r / n1;
         let base = src + i0 * s0 + i1 * s1 + i2 * s2;
-        let mut acc = if is_max {
-            f32::new(f32::NEG_INFINITY)
+        let mut acc = init;
+        if comptime!(rows) {
+            let mut p0 = init;
+            let mut p1 = init;
+            let mut p2 = init;
+            let mut p3 = init;
+            let mut p4 = init;
+            let mut p5 = init;
+            let mut p6 = init;
+            let mut p7 = init;
+            let blocks = m1 / 8;
+            for b in 0..blocks {
+                let j = base + b * 8;
+                p0 = combine(p0, arena[j], is_max);
+                p1 = combine(p1, arena[j + 1], is_max);
+                p2 = combine(p2, arena[j + 2], is_max);
+                p3 = combine(p3, arena[j + 3], is_max);
+                p4 = combine(p4, arena[j + 4], is_max);
+                p5 = combine(p5, arena[j + 5], is_max);
+                p6 = combine(p6, arena[j + 6], is_max);
+                p7 = combine(p7, arena[j + 7], is_max);
+            }
+            let low = combine(combine(p0, p1, is_max), combine(p2, p3, is_max), is_max);
+            let high = combine(combine(p4, p5, is_max), combine(p6, p7, is_max), is_max);
+            acc = combine(low, high, is_max);
+            for j in blocks * 8..m1 {
+                acc = combine(acc, arena[base + j], is_max);
+            }
         } else {
-            f32::new(0.0)
-        };
-        for a in 0..m0 {
-            for b in 0..m1 {
-                let x = arena[base + a * q0 + b * q1];
-                if is_max {
-                    acc = max(acc, x);
-                } else {
-                    acc += x;
+            for a in 0..m0 {
+                for b in 0..m1 {
+                    acc = combine(acc, arena[base + a * q0 + b * q1], is_max);
                 }
             }
         }

@@ -37,7 +37,7 @@ pub enum KernelCall {
         units: u32,
         modes: u32,
         expr: Expr,
-        args: [usize; 16],
+        args: [usize; 18],
     },
     Copy {
         units: u32,
@@ -46,6 +46,7 @@ pub enum KernelCall {
     Reduce {
         units: u32,
         is_max: bool,
+        rows: bool,
         args: [usize; 12],
     },
 }
@@ -65,6 +66,7 @@ enum KernelKey {
     Reduce {
         units: u32,
         is_max: bool,
+        rows: bool,
     },
 }
 
@@ -84,9 +86,15 @@ impl KernelCall {
                 expr: expr.clone(),
             },
             KernelCall::Copy { units, .. } => KernelKey::Copy { units: *units },
-            KernelCall::Reduce { units, is_max, .. } => KernelKey::Reduce {
+            KernelCall::Reduce {
+                units,
+                is_max,
+                rows,
+                ..
+            } => KernelKey::Reduce {
                 units: *units,
                 is_max: *is_max,
+                rows: *rows,
             },
         }
     }
@@ -158,6 +166,8 @@ impl KernelCall {
                     a[13],
                     a[14],
                     a[15],
+                    a[16],
+                    a[17],
                     *modes,
                     expr.clone(),
                 ),
@@ -184,6 +194,7 @@ impl KernelCall {
                 KernelCall::Reduce {
                     units,
                     is_max,
+                    rows,
                     args: a,
                 } => reduce_kernel::launch_unchecked(
                     client,
@@ -203,6 +214,7 @@ impl KernelCall {
                     a[10],
                     a[11],
                     *is_max,
+                    *rows,
                 ),
             }
         }
@@ -251,6 +263,8 @@ impl KernelCall {
                 a[13],
                 a[14],
                 a[15],
+                a[16],
+                a[17],
                 *modes,
                 expr.clone(),
             )),
@@ -278,6 +292,7 @@ impl KernelCall {
             KernelCall::Reduce {
                 units,
                 is_max,
+                rows,
                 args: a,
             } => Box::new(reduce_kernel::create_dummy_kernel(
                 props,
@@ -298,6 +313,7 @@ impl KernelCall {
                 a[10],
                 a[11],
                 *is_max,
+                *rows,
             )),
         }
     }
