@@ -462,21 +462,46 @@ fn fold_constants(g: &Graph) -> Result<Folding, LowerError> {
         }
     }
     // Folded values read by an unfolded node or returned by the graph.
-    let mut needed: Vec<ValueId> = Vec::new();
-    let push = |v: ValueId, needed: &mut Vec<ValueId>| {
-        if is_const[v.index()] && !needed.contains(&v) {
-            needed.push(v);
-        }
-    };
-    for (k, n) in g.nodes.iter().enumerate() {
-        if !folded[k] {
-            for &v in &n.inputs {
-                push(v, &mut needed);
+    let producers = g.producers();
+    let needed_by = |folded: &[bool]| {
+        let mut needed: Vec<ValueId> = Vec::new();
+        let mut push = |v: ValueId| {
+            let folded_here = producers[v.index()].is_some_and(|k| folded[k]);
+            if is_const[v.index()] && folded_here && !needed.contains(&v) {
+                needed.push(v);
+            }
+        };
+        for (k, n) in g.nodes.iter().enumerate() {
+            if !folded[k] {
+                n.inputs.iter().for_each(|&v| push(v));
             }
         }
-    }
-    for o in &g.outputs {
-        push(o.value, &mut needed);
+        g.outputs.iter().for_each(|o| push(o.value));
+        needed
+    };
+    // A needed `full` or `expand` is not folded: a `full` is a constant expression its
+    // consumer's kernel evaluates, an `expand` a broadcast read of its (folded) input. Folded,
+    // either would hold a buffer of the expanded size for the whole program and make every
+    // reader stream it (the causal mask and its -inf fill are `[B, H, S, S]`).
+    let computable = folded.clone();
+    let mut needed = needed_by(&folded);
+    loop {
+        let mut unfolded = false;
+        for v in &needed {
+            if let Some(k) = producers[v.index()] {
+                if folded[k]
+                    && matches!(g.nodes[k].op, Op::Full { .. } | Op::Expand { .. })
+                    && g.ty(*v).numel() > 1
+                {
+                    folded[k] = false;
+                    unfolded = true;
+                }
+            }
+        }
+        if !unfolded {
+            break;
+        }
+        needed = needed_by(&folded);
     }
     if needed.is_empty() {
         return Ok((folded, Vec::new()));
@@ -485,7 +510,7 @@ fn fold_constants(g: &Graph) -> Result<Folding, LowerError> {
     let mut sub = Graph::new("constants");
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
     for (k, n) in g.nodes.iter().enumerate() {
-        if !folded[k] {
+        if !computable[k] {
             continue;
         }
         let ins: Vec<ValueId> = n
@@ -1161,6 +1186,31 @@ mod tests {
         assert_eq!(r.strides, vec![1, 12, 4]);
         // Merging the transposed dims is impossible.
         assert!(reshape_view(&v, &[24]).is_none());
+    }
+
+    /// A causal mask and its -inf fill, broadcast to the scores' shape, stay small: the mask is
+    /// folded at its own `[S, S]` size and read as a broadcast, the fill is a constant in the
+    /// kernel. Numerics are checked on the cpu backend (tests/backend_cpu.rs, attention).
+    #[test]
+    fn broadcast_and_filled_constants_are_not_folded_at_full_size() {
+        let g = graphtrain_ir::text::parse(
+            "graph g {
+  input %x: f32[2,3,16,16]
+  %1: i32[16,16] = iota(shape=[16,16], axis=0, dtype=i32)
+  %2: i32[16,16] = iota(shape=[16,16], axis=1, dtype=i32)
+  %3: bool[16,16] = gt(%2, %1)
+  %7: bool[1,1,16,16] = reshape(%3, shape=[1,1,16,16])
+  %4: bool[2,3,16,16] = expand(%7, shape=[2,3,16,16])
+  %5: f32[2,3,16,16] = full(value=-inf, shape=[2,3,16,16], dtype=f32)
+  %6: f32[2,3,16,16] = select(%4, %5, %x)
+  output o = %6
+}",
+        )
+        .unwrap();
+        let p = lower(&g, Mode::Fused).unwrap();
+        let folded: Vec<usize> = p.constants.iter().map(|(_, t)| t.data.len()).collect();
+        assert_eq!(folded, vec![256], "only the [16, 16] mask is folded");
+        assert_eq!(p.steps.len(), 1, "one map: {:?}", p.steps);
     }
 
     #[test]
