@@ -44,6 +44,10 @@ pub struct BenchSummary {
     pub predicted_peak_bytes: usize,
     /// The executor's own accounting of live tensor bytes, over all steps.
     pub measured_peak_bytes: usize,
+    /// Resident memory gained from just before the step was loaded onto its backend to the end
+    /// of the first step (arena pages touched, JIT code, runtime): measured by the OS, the
+    /// independent check of `predicted_peak_bytes` on a compiled backend.
+    pub load_rss_growth_bytes: Option<usize>,
     /// Peak resident set size of this process (Linux `VmHWM`), when the OS reports it.
     pub peak_rss_bytes: Option<usize>,
     pub step_times_s: Vec<f64>,
@@ -65,12 +69,21 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
-/// Peak RSS from /proc/self/status, `None` where unavailable.
-pub fn peak_rss_bytes() -> Option<usize> {
+fn proc_status_bytes(key: &str) -> Option<usize> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Peak RSS from /proc/self/status, `None` where unavailable.
+pub fn peak_rss_bytes() -> Option<usize> {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Current RSS from /proc/self/status, `None` where unavailable.
+pub fn current_rss_bytes() -> Option<usize> {
+    proc_status_bytes("VmRSS:")
 }
 
 /// Runs `warmup + steps` steps on `trainer`; only the last `steps` count for speed.
@@ -80,14 +93,21 @@ pub fn run(
     steps: u64,
     plan: &BufferPlan,
     plan_time: Duration,
+    rss_before_load: Option<usize>,
     labels: (&str, &str, &str),
     mut on_step: impl FnMut(&crate::trainer::StepMetrics),
 ) -> Result<BenchSummary, String> {
     let mut times = Vec::new();
     let mut losses = Vec::new();
     let mut measured_peak = 0;
-    for _ in 0..warmup + steps {
+    let mut load_rss_growth = None;
+    for i in 0..warmup + steps {
         let m = trainer.step().map_err(|e| e.to_string())?;
+        if i == 0 {
+            load_rss_growth = rss_before_load
+                .zip(current_rss_bytes())
+                .map(|(before, now)| now.saturating_sub(before));
+        }
         on_step(&m);
         times.push(m.seconds);
         losses.push(m.loss);
@@ -132,6 +152,7 @@ pub fn run(
         compile,
         predicted_peak_bytes: plan.arena_bytes,
         measured_peak_bytes: measured_peak,
+        load_rss_growth_bytes: load_rss_growth,
         peak_rss_bytes: peak_rss_bytes(),
         step_times_s: times,
         losses,

@@ -270,6 +270,8 @@ pub struct TrainArgs {
 
 /// A trainer built from the shared flags, with what went into it.
 struct Session {
+    /// Resident memory just before the step was loaded onto its backend.
+    rss_before_load: Option<usize>,
     cfg: Llama3Config,
     optim: OptimConfig,
     trainer: Trainer,
@@ -316,12 +318,14 @@ impl TrainArgs {
             &pipeline,
         )
         .map_err(|e| e.to_string())?;
+        let rss_before_load = crate::bench::current_rss_bytes();
         let t = Instant::now();
         trainer
             .use_backend(backend, self.lowering.mode())
             .map_err(|e| e.to_string())?;
         let load_time = t.elapsed();
         Ok(Session {
+            rss_before_load,
             cfg,
             optim,
             trainer,
@@ -677,6 +681,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     let Session {
         mut trainer,
         load_time,
+        rss_before_load,
         ..
     } = a.train.session(registry)?;
     let t_plan = Instant::now();
@@ -692,6 +697,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         a.steps,
         &plan,
         plan_time,
+        rss_before_load,
         (
             &a.train.model.model,
             &a.train.model.config,
@@ -739,13 +745,16 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     if let Some(r) = trainer.profile_report() {
         say!("{r}");
     }
+    let mib_or_na = |b: Option<usize>| {
+        b.map(|b| format!("{:.0}MiB", b as f64 / MIB))
+            .unwrap_or_else(|| "n/a".into())
+    };
     say!(
-        "memory: predicted {:.2}MiB (buffer plan), held {:.2}MiB (backend arena / interpreter accounting), peak RSS {}",
+        "memory: predicted {:.2}MiB (buffer plan), held {:.2}MiB (backend arena / interpreter accounting), resident growth over load + first step {}, peak RSS {}",
         s.predicted_peak_bytes as f64 / MIB,
         s.measured_peak_bytes as f64 / MIB,
-        s.peak_rss_bytes
-            .map(|b| format!("{:.0}MiB", b as f64 / MIB))
-            .unwrap_or_else(|| "n/a".into())
+        mib_or_na(s.load_rss_growth_bytes),
+        mib_or_na(s.peak_rss_bytes)
     );
     if let Some(path) = &a.json {
         let body = serde_json::to_string_pretty(&s)

@@ -198,6 +198,21 @@ impl Trainer {
             passes,
         } = build_step(model, DType::F32, &cfg.optim, pipeline)?;
         let graph = step.graph;
+        // The trainer holds parameters and optimizer state on the host (f64) before any backend
+        // sees them: say so if that cannot fit, instead of being killed mid-initialization.
+        let host_values: usize = graph.inputs.iter().map(|i| graph.ty(i.value).numel()).sum();
+        let host_bytes = host_values.saturating_mul(8);
+        if let Some(available) = graphtrain_runtime::available_memory_bytes() {
+            if host_bytes > available {
+                return Err(err(format!(
+                    "the train step does not fit: its parameters, optimizer state and batch are {} \
+values, {} as the trainer's f64 host copies, and {} is available",
+                    host_values,
+                    graphtrain_runtime::mib(host_bytes),
+                    graphtrain_runtime::mib(available)
+                )));
+            }
+        }
         let mut feeds = Vec::with_capacity(graph.inputs.len());
         let mut slots = Vec::with_capacity(graph.inputs.len());
         for input in &graph.inputs {

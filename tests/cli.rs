@@ -61,6 +61,41 @@ fn run_tiny_prints_torchtitan_style_step_lines() {
     }
 }
 
+/// A step that cannot fit says so with the numbers before allocating: on the host (the 8b
+/// model's f64 parameter and state copies exceed any machine this runs on, and a limit makes
+/// that certain) and on the cpu backend (its arena, from the buffer plan).
+#[test]
+fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
+    let limited = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+            .args(args)
+            .env("GRAPHTRAIN_MEMORY_LIMIT_MIB", "200")
+            .output()
+            .expect("the binary runs")
+    };
+    let o = limited(&["run", "--config", "8b", "--steps", "1"]);
+    assert_clean_error(
+        &o,
+        &["does not fit", "f64 host copies", "200.0 MiB is available"],
+    );
+    let o = limited(&["run", "--config", "tiny", "--steps", "1"]);
+    assert!(o.status.success(), "tiny fits in 200 MiB: {}", stderr(&o));
+    // peer: 106 MiB of host copies fit, its 347 MiB arena does not.
+    let o = limited(&["run", "--config", "peer", "--steps", "1"]);
+    assert_clean_error(
+        &o,
+        &[
+            "the program does not fit",
+            "buffer plan needs",
+            "liveness lower bound",
+        ],
+    );
+    // debug's decomposed attention ([8, 16, 2048, 2048] scores) needs an 18 GiB arena, past
+    // what the cpu kernels' 32-bit offsets reach: an error, not a panic in cubecl.
+    let o = graphtrain(&["run", "--config", "debug", "--steps", "1"]);
+    assert_clean_error(&o, &["the program does not fit", "2^32 elements"]);
+}
+
 #[test]
 fn unknown_config_lists_the_known_ones() {
     let o = graphtrain(&["run", "--config", "nope"]);

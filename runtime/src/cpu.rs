@@ -62,6 +62,25 @@ impl CpuExecutor {
         let client = device.client();
         // At least one element so an empty program still has a buffer to bind.
         let len = program.arena_elems().max(VECTOR);
+        if len > u32::MAX as usize {
+            return Err(RuntimeError::DoesNotFit(format!(
+                "the program does not fit: the buffer plan needs {} ({}), beyond the 2^32 \
+elements (16 GiB) the cpu kernels address",
+                crate::mib(len * 4),
+                program.plan
+            )));
+        }
+        if let Some(available) = crate::available_memory_bytes() {
+            if len * 4 > available {
+                return Err(RuntimeError::DoesNotFit(format!(
+                    "the program does not fit: the buffer plan needs {} ({}), and {} of host \
+memory is available to the cpu backend",
+                    crate::mib(len * 4),
+                    program.plan,
+                    crate::mib(available)
+                )));
+            }
+        }
         let arena = client.empty(len * 4);
         let resource = client
             .get_resource::<CpuServer>(arena.clone())
@@ -659,6 +678,7 @@ impl CpuExecutor {
             }
             Some(calls) => {
                 for call in &calls {
+                    call.check_addressing()?;
                     // SAFETY: every offset + count is inside the arena (the planner sized it).
                     unsafe { call.dispatch(&self.client, &self.arena, self.len) };
                 }

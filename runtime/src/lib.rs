@@ -95,6 +95,8 @@ pub enum RuntimeError {
     Input(String),
     /// The backend failed while running.
     Backend(String),
+    /// The Program needs more memory than the backend has; said before anything is allocated.
+    DoesNotFit(String),
 }
 
 impl fmt::Display for RuntimeError {
@@ -103,12 +105,34 @@ impl fmt::Display for RuntimeError {
             RuntimeError::Unavailable(m)
             | RuntimeError::Lower(m)
             | RuntimeError::Input(m)
-            | RuntimeError::Backend(m) => f.write_str(m),
+            | RuntimeError::Backend(m)
+            | RuntimeError::DoesNotFit(m) => f.write_str(m),
         }
     }
 }
 
 impl std::error::Error for RuntimeError {}
+
+/// Host memory a new allocation may use: `GRAPHTRAIN_MEMORY_LIMIT_MIB` when set (to share a
+/// machine, or to try the does-not-fit path), else the OS's estimate of available memory
+/// (Linux `MemAvailable`); `None` when neither is known.
+pub fn available_memory_bytes() -> Option<usize> {
+    if let Some(mib) = std::env::var("GRAPHTRAIN_MEMORY_LIMIT_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return Some(mib << 20);
+    }
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
+/// Bytes as MiB for messages.
+pub fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
 
 /// A Program loaded on a backend.
 pub trait Executor {

@@ -123,6 +123,17 @@ impl KernelCall {
         }
     }
 
+    /// Every scalar argument fits the kernels' 32-bit addressing (cubecl would panic on one that
+    /// does not).
+    pub fn check_addressing(&self) -> Result<(), RuntimeError> {
+        match self.scalars().iter().find(|&&s| u32::try_from(s).is_err()) {
+            None => Ok(()),
+            Some(s) => Err(RuntimeError::Backend(format!(
+                "kernel argument {s} does not fit the 32-bit addressing of the cpu kernels ({self:?})"
+            ))),
+        }
+    }
+
     /// Queues the launch through cubecl's launch path.
     ///
     /// # Safety
@@ -355,6 +366,7 @@ impl KernelCache {
         base: *mut f32,
         arena_elems: usize,
     ) -> Result<BoundLaunch, RuntimeError> {
+        call.check_addressing()?;
         let key = call.key();
         let engine = match self.engines.get(&key) {
             Some(e) => e.clone(),
@@ -389,12 +401,9 @@ impl KernelCache {
         info.metadata
             .register_buffer(call.buffer_len(arena_elems) as u64, address);
         for &s in call.scalars() {
-            let s = u32::try_from(s).map_err(|_| {
-                RuntimeError::Backend(format!(
-                    "kernel argument {s} does not fit the 32-bit addressing of the cpu kernels"
-                ))
-            })?;
-            info.scalars.push_raw(&s.to_ne_bytes(), ElemType::Index);
+            // Checked above.
+            info.scalars
+                .push_raw(&(s as u32).to_ne_bytes(), ElemType::Index);
         }
         let metadata = info.finish(address).data;
         Ok(BoundLaunch {
