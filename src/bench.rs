@@ -86,14 +86,21 @@ pub fn current_rss_bytes() -> Option<usize> {
     proc_status_bytes("VmRSS:")
 }
 
+/// What loading the step onto its backend planned and cost.
+pub struct LoadInfo<'a> {
+    pub plan: &'a BufferPlan,
+    /// Lowering and load time (the buffer plan included).
+    pub plan_time: Duration,
+    /// Resident memory just before the load.
+    pub rss_before_load: Option<usize>,
+}
+
 /// Runs `warmup + steps` steps on `trainer`; only the last `steps` count for speed.
 pub fn run(
     trainer: &mut Trainer,
     warmup: u64,
     steps: u64,
-    plan: &BufferPlan,
-    plan_time: Duration,
-    rss_before_load: Option<usize>,
+    load: LoadInfo<'_>,
     labels: (&str, &str, &str),
     mut on_step: impl FnMut(&crate::trainer::StepMetrics),
 ) -> Result<BenchSummary, String> {
@@ -104,7 +111,8 @@ pub fn run(
     for i in 0..warmup + steps {
         let m = trainer.step().map_err(|e| e.to_string())?;
         if i == 0 {
-            load_rss_growth = rss_before_load
+            load_rss_growth = load
+                .rss_before_load
                 .zip(current_rss_bytes())
                 .map(|(before, now)| now.saturating_sub(before));
         }
@@ -125,10 +133,10 @@ pub fn run(
         autodiff_and_optimizer_s: t.autodiff_and_optimizer.as_secs_f64(),
         verify_s: t.verify.as_secs_f64(),
         passes_s: t.passes.as_secs_f64(),
-        buffer_plan_s: plan_time.as_secs_f64(),
+        buffer_plan_s: load.plan_time.as_secs_f64(),
         // The first step compiles every kernel; what it took beyond a warm step is the JIT.
         kernel_jit_s: (backend_is_compiled && !times.is_empty()).then(|| (times[0] - med).max(0.0)),
-        total_s: (t.trace + t.autodiff_and_optimizer + t.verify + t.passes + plan_time)
+        total_s: (t.trace + t.autodiff_and_optimizer + t.verify + t.passes + load.plan_time)
             .as_secs_f64(),
     };
     let (model, config, backend) = labels;
@@ -150,7 +158,7 @@ pub fn run(
         mfu: backend_is_compiled
             .then(|| tokens as f64 / med * flops_per_token / 1e9 / CPU_PEAK_GFLOPS),
         compile,
-        predicted_peak_bytes: plan.arena_bytes,
+        predicted_peak_bytes: load.plan.arena_bytes,
         measured_peak_bytes: measured_peak,
         load_rss_growth_bytes: load_rss_growth,
         peak_rss_bytes: peak_rss_bytes(),

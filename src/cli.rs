@@ -695,9 +695,11 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         &mut trainer,
         a.warmup,
         a.steps,
-        &plan,
-        plan_time,
-        rss_before_load,
+        crate::bench::LoadInfo {
+            plan: &plan,
+            plan_time,
+            rss_before_load,
+        },
         (
             &a.train.model.model,
             &a.train.model.config,
