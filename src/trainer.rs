@@ -98,8 +98,10 @@ pub fn build_step(
 /// and collapse to one each, which saves hundreds of tiny launches per step. Tier 1, so the
 /// result is bitwise the same as running the graph as it was.
 fn legalize(g: &Graph) -> Result<Graph, TrainError> {
-    let primitives = graphtrain_ir::decompose::decompose(g, &|op| op.is_composite())
-        .map_err(|e| err(format!("decomposing composites failed: {e}")))?;
+    let primitives = graphtrain_ir::decompose::decompose(g, &|op| {
+        op.is_composite() && !graphtrain_lowering::kept_composite(op)
+    })
+    .map_err(|e| err(format!("decomposing composites failed: {e}")))?;
     let pipeline = graphtrain_passes::PipelineSpec::parse_list("cse,dce")
         .and_then(|spec| spec.build(&graphtrain_passes::Registry::builtin()))
         .map_err(err)?;

@@ -90,9 +90,16 @@ fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
             "liveness lower bound",
         ],
     );
-    // debug's decomposed attention ([8, 16, 2048, 2048] scores) needs an 18 GiB arena, past
-    // what the cpu kernels' 32-bit offsets reach: an error, not a panic in cubecl.
-    let o = graphtrain(&["run", "--config", "debug", "--steps", "1"]);
+    // 64 x 2048 tokens of 32768-way logits need a 48 GiB arena, past what the cpu kernels'
+    // 32-bit offsets reach: an error, not a panic in cubecl (nor the constant folder trying to
+    // allocate the logits-sized fills).
+    let huge = temp_file(
+        "huge.ron",
+        "(dim: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, vocab_size: 32768, ffn_hidden: 48,
+          rope_theta: 500000.0, rope_layout: Interleaved, norm_eps: 1e-5, batch: 64,
+          seq_len: 2048, tied_embeddings: false)",
+    );
+    let o = graphtrain(&["run", "--config", huge.to_str().unwrap(), "--steps", "1"]);
     assert_clean_error(&o, &["the program does not fit", "2^32 elements"]);
 }
 

@@ -282,6 +282,36 @@ pub enum Step {
         stream: u64,
         normal: bool,
     },
+    /// `out = softmax(q kᵀ · scale, causal mask) v` per batch and query head, for rank-4
+    /// `[B, H, S, D]` views (`k`, `v` with `Hkv` heads, shared by `H / Hkv` query heads); `out`
+    /// is contiguous `[B, H, S, D]`. The `[S, S]` probabilities never reach the arena.
+    Attention {
+        out: ValueId,
+        q: View,
+        k: View,
+        v: View,
+        causal: bool,
+        scale: f64,
+    },
+    /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
+    /// contiguous; the probabilities are recomputed per head.
+    AttentionBackward {
+        dq: ValueId,
+        dk: ValueId,
+        dv: ValueId,
+        q: View,
+        k: View,
+        v: View,
+        dout: View,
+        causal: bool,
+        scale: f64,
+    },
+}
+
+/// Composites a Program runs as one step instead of decomposing them: attention, whose
+/// decomposition materializes `[B, H, S, S]` scores and probabilities.
+pub fn kept_composite(op: &Op) -> bool {
+    matches!(op, Op::Attention { .. } | Op::AttentionBackward { .. })
 }
 
 impl Step {
@@ -298,10 +328,14 @@ impl Step {
             } => vec![*src, *index, *add],
             Step::Iota { .. } => vec![],
             Step::Random { seed, .. } => vec![*seed],
+            Step::Attention { q, k, v, .. } => vec![q.base, k.base, v.base],
+            Step::AttentionBackward { q, k, v, dout, .. } => {
+                vec![q.base, k.base, v.base, dout.base]
+            }
         }
     }
 
-    /// The value this step writes.
+    /// The value this step writes (the first one, for a step that writes several).
     pub fn writes(&self) -> ValueId {
         match self {
             Step::Map { out, .. }
@@ -310,8 +344,18 @@ impl Step {
             | Step::Gather { out, .. }
             | Step::ScatterAdd { out, .. }
             | Step::Iota { out, .. }
-            | Step::Random { out, .. } => *out,
+            | Step::Random { out, .. }
+            | Step::Attention { out, .. } => *out,
             Step::Copy { dst, .. } => dst.base,
+            Step::AttentionBackward { dq, .. } => *dq,
+        }
+    }
+
+    /// Every value this step writes.
+    pub fn outputs(&self) -> Vec<ValueId> {
+        match self {
+            Step::AttentionBackward { dq, dk, dv, .. } => vec![*dq, *dk, *dv],
+            _ => vec![self.writes()],
         }
     }
 
@@ -325,6 +369,8 @@ impl Step {
             Step::ScatterAdd { .. } => "scatter_add",
             Step::Iota { .. } => "iota",
             Step::Random { .. } => "random",
+            Step::Attention { .. } => "attention",
+            Step::AttentionBackward { .. } => "attention_backward",
         }
     }
 }
@@ -412,11 +458,12 @@ impl Program {
 
 /// Lowers a verified train-step graph.
 pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
-    let graph = decompose(g, &|op| op.is_composite()).map_err(|e| LowerError {
-        node: None,
-        module: e.module.clone(),
-        message: format!("decomposing composites failed: {e}"),
-    })?;
+    let graph =
+        decompose(g, &|op| op.is_composite() && !kept_composite(op)).map_err(|e| LowerError {
+            node: None,
+            module: e.module.clone(),
+            message: format!("decomposing composites failed: {e}"),
+        })?;
     let (folded, constants) = fold_constants(&graph)?;
     check_dtypes(&graph, &folded)?;
     let steps = match mode {
@@ -426,7 +473,7 @@ pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
     // Constants are written at load and read by every run: live from the first slot to the last.
     let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
     let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
-    slots.extend(steps.iter().map(|s| (s.reads(), vec![s.writes()])));
+    slots.extend(steps.iter().map(|s| (s.reads(), s.outputs())));
     slots.push((const_ids, Vec::new()));
     let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
     let producers = graph.producers();
@@ -506,11 +553,27 @@ fn fold_constants(g: &Graph) -> Result<Folding, LowerError> {
     if needed.is_empty() {
         return Ok((folded, Vec::new()));
     }
-    // The folded nodes as a graph of their own, run once by the interpreter.
+    // The folded nodes the needed values depend on, as a graph of their own, run once by the
+    // interpreter. (Only those: an unfolded `full` or `expand` may be huge, and nothing needs
+    // its value at load.)
+    let mut required = vec![false; g.nodes.len()];
+    let mut stack: Vec<usize> = needed.iter().filter_map(|v| producers[v.index()]).collect();
+    while let Some(k) = stack.pop() {
+        if std::mem::replace(&mut required[k], true) {
+            continue;
+        }
+        stack.extend(
+            g.nodes[k]
+                .inputs
+                .iter()
+                .filter_map(|v| producers[v.index()])
+                .filter(|&p| computable[p]),
+        );
+    }
     let mut sub = Graph::new("constants");
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
     for (k, n) in g.nodes.iter().enumerate() {
-        if !computable[k] {
+        if !required[k] {
             continue;
         }
         let ins: Vec<ValueId> = n
@@ -786,6 +849,25 @@ fn structural_steps(
             out,
             inner: shape[axis + 1..].iter().product(),
             dim: shape[*axis],
+        },
+        Op::Attention { causal, scale } => Step::Attention {
+            out,
+            q: view_of(n.inputs[0]),
+            k: view_of(n.inputs[1]),
+            v: view_of(n.inputs[2]),
+            causal: *causal,
+            scale: *scale,
+        },
+        Op::AttentionBackward { causal, scale } => Step::AttentionBackward {
+            dq: n.outputs[0],
+            dk: n.outputs[1],
+            dv: n.outputs[2],
+            q: view_of(n.inputs[0]),
+            k: view_of(n.inputs[1]),
+            v: view_of(n.inputs[2]),
+            dout: view_of(n.inputs[3]),
+            causal: *causal,
+            scale: *scale,
         },
         Op::RandomUniform { stream, .. } | Op::RandomNormal { stream, .. } => Step::Random {
             out,
@@ -1121,6 +1203,8 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                             | Op::ReduceSum { .. }
                             | Op::ReduceMax { .. }
                             | Op::Concat { .. }
+                            | Op::Attention { .. }
+                            | Op::AttentionBackward { .. }
                     )
             });
             if let (Some(v), true) = (v, readers_take_views) {

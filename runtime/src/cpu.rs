@@ -11,6 +11,7 @@
 //! Ordering: cubecl launches queue on its server; a host step first waits for the queue
 //! (`sync`), then runs on the calling thread, so every step sees its predecessors' writes.
 
+use crate::attention;
 use crate::gemm::{self, Layout};
 use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
 use crate::pool::Pool;
@@ -129,6 +130,16 @@ memory is available to the cpu backend",
         // SAFETY: the pointer covers `len` f32 and stays valid while `_resource` lives; callers
         // sync first, so no kernel is writing meanwhile.
         unsafe { std::slice::from_raw_parts_mut(self.base, self.len) }
+    }
+
+    /// A rank-4 view as the attention kernels address it.
+    fn heads(&self, v: &View) -> attention::Heads {
+        let mut strides = [0; 4];
+        strides.copy_from_slice(&v.strides);
+        attention::Heads {
+            offset: self.off(v.base) + v.offset,
+            strides,
+        }
     }
 
     fn off(&self, v: ValueId) -> usize {
@@ -476,9 +487,75 @@ memory is available to the cpu backend",
                     arena[oo + i] = x as f32;
                 }
             }
+            Step::Attention {
+                out,
+                q,
+                k,
+                v,
+                causal,
+                scale,
+            } => {
+                let d = attention_dims(q, k, *causal, *scale)?;
+                let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
+                let out = self.off(*out);
+                // SAFETY: the views and the output lie in the arena, the output apart from them
+                // (the planner never places an output over a live operand).
+                unsafe { attention::forward(self.base, d, q, k, v, out) };
+            }
+            Step::AttentionBackward {
+                dq,
+                dk,
+                dv,
+                q,
+                k,
+                v,
+                dout,
+                causal,
+                scale,
+            } => {
+                let d = attention_dims(q, k, *causal, *scale)?;
+                let grads = attention::Grads {
+                    dq: self.off(*dq),
+                    dk: self.off(*dk),
+                    dv: self.off(*dv),
+                };
+                let (q, k, v, dout) = (
+                    self.heads(q),
+                    self.heads(k),
+                    self.heads(v),
+                    self.heads(dout),
+                );
+                // SAFETY: as for the forward step; the three outputs are distinct buffers.
+                unsafe { attention::backward(self.base, d, q, k, v, dout, grads) };
+            }
             _ => unreachable!("not a host step"),
         }
         Ok(())
+    }
+}
+
+/// Attention's shapes from its `[B, H, S, D]` query and `[B, Hkv, S, D]` key views.
+fn attention_dims(
+    q: &View,
+    k: &View,
+    causal: bool,
+    scale: f64,
+) -> Result<attention::Dims, RuntimeError> {
+    match (q.shape.as_slice(), k.shape.as_slice()) {
+        (&[b, h, s, d], &[_, hkv, _, _]) if hkv > 0 && h % hkv == 0 => Ok(attention::Dims {
+            batch: b,
+            heads: h,
+            kv_heads: hkv,
+            seq: s,
+            head_dim: d,
+            causal,
+            scale: scale as f32,
+        }),
+        _ => Err(RuntimeError::Backend(format!(
+            "attention needs [B, H, S, D] queries and [B, Hkv, S, D] keys with Hkv dividing H, \
+got {:?} and {:?}",
+            q.shape, k.shape
+        ))),
     }
 }
 
