@@ -1,5 +1,5 @@
-//! Time per element of map kernels over a 4M-element tensor (the size of `peer`'s attention
-//! scores), replayed as bound launches: plain copy-like ops against transcendental ones.
+//! Time per element of map and reduce kernels over a 4M-element tensor (the size of `peer`'s
+//! attention scores), replayed as bound launches, and the GEMM at 1024^3 through the lowering.
 //! `cargo run --release -p graphtrain-runtime --example map_cost` (docs/benchmarks.md).
 
 use graphtrain_ir::text;
@@ -42,6 +42,14 @@ fn main() {
   %d: f32[8,8,256,256] = div(%r, %b)
   %2: f32[{n}] = reshape(%d, shape=[{n}])",
         ),
+        (
+            "matmul 1024^3",
+            "%sa: f32[1048576] = slice(%x, axis=0, start=0, end=1048576)
+  %sb: f32[1048576] = slice(%y, axis=0, start=0, end=1048576)
+  %a: f32[1024,1024] = reshape(%sa, shape=[1024,1024])
+  %b: f32[1024,1024] = reshape(%sb, shape=[1024,1024])
+  %2: f32[1024,1024] = matmul(%a, %b)",
+        ),
     ];
     let only = std::env::args().nth(1);
     for (name, body) in cases {
@@ -53,6 +61,7 @@ fn main() {
             "graph g {{\n  input %x: f32[{n}]\n  input %y: f32[{n}]\n  {body}\n  output o = %2\n}}"
         );
         let mut g = text::parse(&src).unwrap();
+        graphtrain_ir::verify::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
         for node in &mut g.nodes {
             node.meta.tags.region = Some(0);
         }
@@ -66,6 +75,14 @@ fn main() {
         let s = t.elapsed().as_secs_f64() / reps as f64;
         if let Some(report) = ex.profile_report() {
             print!("{report}");
+        }
+        if name.starts_with("matmul") {
+            println!(
+                "{name:>16}: {:.2} ms per run, {:.1} GFLOP/s",
+                s * 1e3,
+                2.0 * 1024f64.powi(3) / s / 1e9
+            );
+            continue;
         }
         println!(
             "{name:>16}: {:.2} ms per run, {:.2} ns/element, {:.1} GB/s moved",

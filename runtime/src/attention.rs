@@ -11,7 +11,8 @@
 //! kv gradients of a group are summed in a fixed order (query heads ascending) by one thread,
 //! and the results never depend on the thread count.
 //!
-//! Numerics (f32, matching the decomposition `softmax(q kᵀ · scale + mask) v` op for op):
+//! Numerics (f32, the decomposition `softmax(q kᵀ · scale + mask) v` op for op, except that
+//! row sums and maxima take eight lanes combined pairwise and `exp` is our own, about 1 ulp):
 //! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) / sum`; backward
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
@@ -99,25 +100,101 @@ unsafe fn mm(
     unsafe { gemm::sgemm(1, m, n, k, a, la, b, lb, c, 1) }
 }
 
+/// `e^x` in f32 to about 1 ulp (Cephes `expf`: range reduction by ln 2, a degree-6 polynomial,
+/// the exponent put back in the bits), written so a loop over a row vectorizes; libm's `expf`
+/// is a call per element. Inputs below -87.3 give about 1e-38 instead of 0 or a denormal.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    let x = x.clamp(-87.3, 88.7);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = 1.987_569_1e-4_f32;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 5.000_000_1e-1;
+    let y = p * (r * r) + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Lanes of the partial sums and maxima below: eight independent chains that LLVM keeps in
+/// one vector register, combined pairwise at the end, so the order is fixed by the length.
+const LANES: usize = 8;
+
+fn combine(mut acc: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] = f(acc[l], acc[l + width]);
+        }
+    }
+    acc[0]
+}
+
+fn lanes(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
+    let mut acc = [init; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] = f(acc[l], c[l]);
+        }
+    }
+    tail.iter().fold(combine(acc, f), |a, &x| f(a, x))
+}
+
+/// `Σ a·b` over two rows, in the lane order of `lanes`.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .fold(0.0, |s, v| s + v);
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    combine(acc, |p, q| p + q) + tail
+}
+
+/// One row of probabilities: `live` scaled, masked scores in, `p` out (zeros past `live`).
+#[inline(always)]
+fn softmax_row(row: &mut [f32], live: usize, scale: f32) {
+    let (head, rest) = row.split_at_mut(live);
+    head.iter_mut().for_each(|x| *x *= scale);
+    let max = lanes(head, f32::NEG_INFINITY, f32::max);
+    head.iter_mut().for_each(|x| *x = exp(*x - max));
+    let sum = lanes(head, 0.0, |a, b| a + b);
+    head.iter_mut().for_each(|x| *x /= sum);
+    rest.fill(0.0);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn softmax_rows_avx2(s: &mut [f32], seq: usize, causal: bool, scale: f32) {
+    for (i, row) in s.chunks_exact_mut(seq).enumerate() {
+        softmax_row(row, if causal { i + 1 } else { seq }, scale);
+    }
+}
+
 /// Softmax of each row of `s` (`seq x seq`, scaled and masked in place) into probabilities.
+/// The AVX2 build of the same code runs where the cpu has it: no FMA is formed either way
+/// (Rust never contracts), so both give the same bits.
 fn softmax_rows(s: &mut [f32], d: &Dims) {
-    let n = d.seq;
-    for (i, row) in s.chunks_exact_mut(n).enumerate() {
-        let live = if d.causal { i + 1 } else { n };
-        let mut max = f32::NEG_INFINITY;
-        for x in row[..live].iter_mut() {
-            *x *= d.scale;
-            max = max.max(*x);
-        }
-        let mut sum = 0.0f32;
-        for x in row[..live].iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        for x in row[..live].iter_mut() {
-            *x /= sum;
-        }
-        row[live..].fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the feature is present.
+        unsafe { softmax_rows_avx2(s, d.seq, d.causal, d.scale) };
+        return;
+    }
+    for (i, row) in s.chunks_exact_mut(d.seq).enumerate() {
+        softmax_row(row, if d.causal { i + 1 } else { d.seq }, d.scale);
     }
 }
 
@@ -253,7 +330,7 @@ pub unsafe fn backward(
                     ds.as_mut_ptr(),
                 );
                 for (prow, drow) in p.chunks_exact(s).zip(ds.chunks_exact_mut(s)) {
-                    let t: f32 = prow.iter().zip(drow.iter()).map(|(a, b)| a * b).sum();
+                    let t = dot(prow, drow);
                     for (x, pp) in drow.iter_mut().zip(prow) {
                         *x = pp * (*x - t);
                     }
