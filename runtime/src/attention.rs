@@ -113,7 +113,7 @@ fn exp(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let y = p * (r * r) + r + 1.0;
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
