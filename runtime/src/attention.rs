@@ -175,59 +175,83 @@ fn softmax_row(row: &mut [f32], live: usize, scale: f32) {
     rest.fill(0.0);
 }
 
+/// Query rows per block. A causal block of rows `r0..r1` only needs keys `0..r1`, so blocks
+/// skip most of the masked half of the scores; 64 rows keep a block's scores in L2.
+const ROWS: usize = 64;
+
+/// The row blocks of a head: `(r0, r1, n)` with `n` the keys the block sees.
+fn blocks(d: &Dims) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    (0..d.seq).step_by(ROWS).map(|r0| {
+        let r1 = (r0 + ROWS).min(d.seq);
+        (r0, r1, if d.causal { r1 } else { d.seq })
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn softmax_rows_avx2(s: &mut [f32], seq: usize, causal: bool, scale: f32) {
-    for (i, row) in s.chunks_exact_mut(seq).enumerate() {
-        softmax_row(row, if causal { i + 1 } else { seq }, scale);
+unsafe fn softmax_rows_avx2(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
+    for (i, row) in p.chunks_exact_mut(n).enumerate() {
+        softmax_row(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
     }
 }
 
-/// Softmax of each row of `s` (`seq x seq`, scaled and masked in place) into probabilities.
-/// The AVX2 build of the same code runs where the cpu has it: no FMA is formed either way
-/// (Rust never contracts), so both give the same bits.
-fn softmax_rows(s: &mut [f32], d: &Dims) {
+/// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head), scaled
+/// and masked in place, into probabilities. The AVX2 build of the same code runs where the cpu
+/// has it: no FMA is formed either way (Rust never contracts), so both give the same bits.
+fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the feature is present.
-        unsafe { softmax_rows_avx2(s, d.seq, d.causal, d.scale) };
+        unsafe { softmax_rows_avx2(p, n, r0, d) };
         return;
     }
-    for (i, row) in s.chunks_exact_mut(d.seq).enumerate() {
-        softmax_row(row, if d.causal { i + 1 } else { d.seq }, d.scale);
+    for (i, row) in p.chunks_exact_mut(n).enumerate() {
+        softmax_row(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
     }
 }
 
-/// The probabilities `p` (`seq x seq`) of batch `b`, query head `h`.
+/// The probabilities of rows `r0..r1` over keys `0..n` of batch `b`, query head `h`, into `p`
+/// (`(r1 - r0) x n`, row-major).
 ///
 /// # Safety
 /// `arena` holds `q` and `k` as described.
+#[allow(clippy::too_many_arguments)]
 unsafe fn probabilities(
     arena: Arena,
     d: &Dims,
     q: &Heads,
     k: &Heads,
-    b: usize,
-    h: usize,
+    (b, h): (usize, usize),
+    (r0, r1, n): (usize, usize, usize),
     p: &mut [f32],
 ) {
     let kvh = h / (d.heads / d.kv_heads);
     let (qo, ql) = q.at(b, h);
     let (ko, kl) = k.at_t(b, kvh);
+    let p = &mut p[..(r1 - r0) * n];
     // SAFETY: the views lie in the arena; `p` is our own scratch.
     unsafe {
         mm(
-            d.seq,
-            d.seq,
+            r1 - r0,
+            n,
             d.head_dim,
-            arena.0.add(qo),
+            arena.0.add(qo + r0 * ql.row_stride),
             ql,
             arena.0.add(ko),
             kl,
             p.as_mut_ptr(),
         );
     }
-    softmax_rows(p, d);
+    softmax_rows(p, n, r0, d);
+}
+
+/// `m x n` row-major read transposed.
+fn transposed(n: usize) -> Layout {
+    Layout {
+        batch_stride: 0,
+        row_stride: 1,
+        col_stride: n,
+    }
 }
 
 /// `out[b, h] = attention(q, k, v)`, `out` contiguous `[B, H, S, D]` at element offset `out`.
@@ -240,23 +264,25 @@ pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out
     let (s, hd) = (d.seq, d.head_dim);
     Pool::global().run(d.batch * d.kv_heads, &|task| {
         let (b, g) = (task / d.kv_heads, task % d.kv_heads);
-        let mut p = vec![0.0f32; s * s];
+        let mut p = vec![0.0f32; ROWS.min(s) * s];
+        let (vo, vl) = v.at(b, g);
         for h in g * group..(g + 1) * group {
-            let (vo, vl) = v.at(b, g);
             let o = out + (b * d.heads + h) * s * hd;
-            // SAFETY: the caller's contract; each task writes only its own heads of `out`.
-            unsafe {
-                probabilities(arena, &d, &q, &k, b, h, &mut p);
-                mm(
-                    s,
-                    hd,
-                    s,
-                    p.as_ptr(),
-                    row_major(s),
-                    arena.0.add(vo),
-                    vl,
-                    arena.0.add(o),
-                );
+            for (r0, r1, n) in blocks(&d) {
+                // SAFETY: the caller's contract; each task writes only its own heads of `out`.
+                unsafe {
+                    probabilities(arena, &d, &q, &k, (b, h), (r0, r1, n), &mut p);
+                    mm(
+                        r1 - r0,
+                        hd,
+                        n,
+                        p.as_ptr(),
+                        row_major(n),
+                        arena.0.add(vo),
+                        vl,
+                        arena.0.add(o + r0 * hd),
+                    );
+                }
             }
         }
     });
@@ -270,7 +296,10 @@ pub struct Grads {
     pub dv: usize,
 }
 
-/// The gradients of `forward` for `dout` into `grads`.
+/// The gradients of `forward` for `dout` into `grads`. Per query head and row block: the
+/// block's probabilities again, then `dv += pᵀ dout`, `ds = p (dout vᵀ - Σ_j ...)`,
+/// `dq = ds k · scale`, `dk += dsᵀ q · scale`; kv gradients summed over heads, then blocks, in
+/// ascending order.
 ///
 /// # Safety
 /// As for `forward`; the three outputs overlap nothing they are computed from nor each other.
@@ -288,8 +317,8 @@ pub unsafe fn backward(
     let (s, hd) = (d.seq, d.head_dim);
     Pool::global().run(d.batch * d.kv_heads, &|task| {
         let (b, g) = (task / d.kv_heads, task % d.kv_heads);
-        let mut p = vec![0.0f32; s * s];
-        let mut ds = vec![0.0f32; s * s];
+        let mut p = vec![0.0f32; ROWS.min(s) * s];
+        let mut ds = vec![0.0f32; ROWS.min(s) * s];
         let mut part = vec![0.0f32; s * hd];
         let mut dk = vec![0.0f32; s * hd];
         let mut dv = vec![0.0f32; s * hd];
@@ -299,73 +328,75 @@ pub unsafe fn backward(
             let (doo, dol) = dout.at(b, h);
             let (qo, ql) = q.at(b, h);
             let dq = grads.dq + (b * d.heads + h) * s * hd;
-            // SAFETY: the caller's contract; each task writes only its own heads.
-            unsafe {
-                probabilities(arena, &d, &q, &k, b, h, &mut p);
-                // dv += pᵀ dout
-                mm(
-                    s,
-                    hd,
-                    s,
-                    p.as_ptr(),
-                    Layout {
-                        batch_stride: 0,
-                        row_stride: 1,
-                        col_stride: s,
-                    },
-                    arena.0.add(doo),
-                    dol,
-                    part.as_mut_ptr(),
-                );
-                dv.iter_mut().zip(&part).for_each(|(a, x)| *a += x);
-                // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place.
-                mm(
-                    s,
-                    s,
-                    hd,
-                    arena.0.add(doo),
-                    dol,
-                    arena.0.add(vto),
-                    vtl,
-                    ds.as_mut_ptr(),
-                );
-                for (prow, drow) in p.chunks_exact(s).zip(ds.chunks_exact_mut(s)) {
-                    let t = dot(prow, drow);
-                    for (x, pp) in drow.iter_mut().zip(prow) {
-                        *x = pp * (*x - t);
+            for (r0, r1, n) in blocks(&d) {
+                let rows = r1 - r0;
+                let (dob, qb) = (doo + r0 * dol.row_stride, qo + r0 * ql.row_stride);
+                // SAFETY: the caller's contract; each task writes only its own heads.
+                unsafe {
+                    probabilities(arena, &d, &q, &k, (b, h), (r0, r1, n), &mut p);
+                    let p = &p[..rows * n];
+                    let ds = &mut ds[..rows * n];
+                    // dv[..n] += pᵀ dout[r0..r1]
+                    mm(
+                        n,
+                        hd,
+                        rows,
+                        p.as_ptr(),
+                        transposed(n),
+                        arena.0.add(dob),
+                        dol,
+                        part.as_mut_ptr(),
+                    );
+                    dv.iter_mut()
+                        .zip(&part[..n * hd])
+                        .for_each(|(a, x)| *a += x);
+                    // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place.
+                    mm(
+                        rows,
+                        n,
+                        hd,
+                        arena.0.add(dob),
+                        dol,
+                        arena.0.add(vto),
+                        vtl,
+                        ds.as_mut_ptr(),
+                    );
+                    for (prow, drow) in p.chunks_exact(n).zip(ds.chunks_exact_mut(n)) {
+                        let t = dot(prow, drow);
+                        for (x, pp) in drow.iter_mut().zip(prow) {
+                            *x = pp * (*x - t);
+                        }
                     }
+                    // dq[r0..r1] = (ds k[..n]) * scale
+                    let dqb = arena.0.add(dq + r0 * hd);
+                    mm(
+                        rows,
+                        hd,
+                        n,
+                        ds.as_ptr(),
+                        row_major(n),
+                        arena.0.add(ko),
+                        kl,
+                        dqb,
+                    );
+                    std::slice::from_raw_parts_mut(dqb, rows * hd)
+                        .iter_mut()
+                        .for_each(|x| *x *= d.scale);
+                    // dk[..n] += (dsᵀ q[r0..r1]) * scale
+                    mm(
+                        n,
+                        hd,
+                        rows,
+                        ds.as_ptr(),
+                        transposed(n),
+                        arena.0.add(qb),
+                        ql,
+                        part.as_mut_ptr(),
+                    );
+                    dk.iter_mut()
+                        .zip(&part[..n * hd])
+                        .for_each(|(a, x)| *a += x * d.scale);
                 }
-                // dq = (ds k) * scale
-                mm(
-                    s,
-                    hd,
-                    s,
-                    ds.as_ptr(),
-                    row_major(s),
-                    arena.0.add(ko),
-                    kl,
-                    arena.0.add(dq),
-                );
-                let dq = std::slice::from_raw_parts_mut(arena.0.add(dq), s * hd);
-                dq.iter_mut().for_each(|x| *x *= d.scale);
-                // dk += (dsᵀ q) * scale
-                mm(
-                    s,
-                    hd,
-                    s,
-                    ds.as_ptr(),
-                    Layout {
-                        batch_stride: 0,
-                        row_stride: 1,
-                        col_stride: s,
-                    },
-                    arena.0.add(qo),
-                    ql,
-                    part.as_mut_ptr(),
-                );
-                dk.iter_mut()
-                    .zip(&part)
-                    .for_each(|(a, x)| *a += x * d.scale);
             }
         }
         let at = (b * d.kv_heads + g) * s * hd;
