@@ -47,6 +47,7 @@ fn captured(g: &Graph) -> Graph {
 
 fn check(name: &str, src: &str) {
     let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
+    graphtrain_ir::verify::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
     for seed in 0..2 {
         let inputs = random_inputs(&g, seed);
         let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
@@ -296,9 +297,29 @@ fn matmuls_with_odd_shapes_transposed_and_shared_operands() {
   %5: f32[3,13,17] = matmul(%a, %4)
   %6: f32[3,29,13] = transpose(%a, perm=[0,2,1])
   %7: f32[3,13,13] = matmul(%a, %6)
+  %9: f32[3,17,13] = transpose(%5, perm=[0,2,1])
   output a = %3
-  output b = %5
+  output b = %9
   output c = %7
+}",
+    );
+    // The fused lowering writes a matmul read only through a transpose of its last two dims
+    // as `bᵀ aᵀ`; eager computes `a b` and copies: the same bits (`check` compares them).
+    check(
+        "matmul then transpose",
+        "graph g {
+  input %x: f32[37,23]
+  input %dy: f32[37,11]
+  input %a: f32[2,5,9]
+  input %b: f32[9,6]
+  %4: f32[23,37] = transpose(%x, perm=[1,0])
+  %5: f32[23,11] = matmul(%4, %dy)
+  %6: f32[11,23] = transpose(%5, perm=[1,0])
+  %7: f32[11,23] = mul_scalar(%6, value=0.5)
+  %8: f32[2,5,6] = matmul(%a, %b)
+  %9: f32[2,6,5] = transpose(%8, perm=[0,2,1])
+  output w = %7
+  output t = %9
 }",
     );
 }

@@ -1070,9 +1070,11 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             .unwrap_or_else(|| MapInput::direct(g, v, out_len))
     };
     let mut steps = Vec::new();
+    // Nodes whose output an earlier step already wrote (a transpose of a matmul result).
+    let mut done = vec![false; g.nodes.len()];
 
     for k in 0..g.nodes.len() {
-        if folded[k] {
+        if folded[k] || done[k] {
             continue;
         }
         let n = &g.nodes[k];
@@ -1146,10 +1148,21 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         // read in place by them.
         if let Op::Expand { .. } = n.op {
             let src = n.inputs[0];
+            // A source that is a reshape of a whole materialized value (its view contiguous
+            // from offset 0) is read as that value: same elements in the same order.
+            let whole = |v: &View| {
+                v.offset == 0
+                    && v.strides == contiguous_strides(&v.shape)
+                    && g.ty(v.base).numel() == g.ty(src).numel()
+            };
+            let (src_mem, src_is_view_of_whole) = match &view[src.index()] {
+                Some(v) if whole(v) => (v.base, true),
+                _ => (src, false),
+            };
             // (A folded source is in memory too: an unfolded expand's constant operand is one
             // the program writes at load.)
             let in_memory = inlined[src.index()].is_none()
-                && view[src.index()].is_none()
+                && (view[src.index()].is_none() || src_is_view_of_whole)
                 && absorbed[src.index()].is_none();
             let readers_elementwise = !cons.is_empty()
                 && cons.iter().all(|&c| {
@@ -1168,7 +1181,10 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                 is_output[out.index()],
                 access,
             ) {
-                absorbed[out.index()] = Some(MapInput { value: src, access });
+                absorbed[out.index()] = Some(MapInput {
+                    value: src_mem,
+                    access,
+                });
                 continue;
             }
         }
@@ -1231,6 +1247,47 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             }
         }
         let _ = producer;
+        // A matmul whose only reader transposes its last two dims writes the transpose
+        // directly: `(a b)ᵀ = bᵀ aᵀ`, the same products summed in the same k order, so the
+        // same bits, and no strided copy (the weight gradients feeding the optimizer).
+        if let (Op::Matmul, [t]) = (&n.op, cons.as_slice()) {
+            let r = out_ty.shape.len();
+            let swaps_last_two = match &g.nodes[*t].op {
+                Op::Transpose { perm } => {
+                    perm.len() == r
+                        && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+                        && perm[r - 2] == r - 1
+                        && perm[r - 1] == r - 2
+                }
+                _ => false,
+            };
+            if swaps_last_two && !is_output[out.index()] && !folded[*t] {
+                let swapped = |v: View| {
+                    let mut perm: Vec<usize> = (0..v.shape.len()).collect();
+                    let q = perm.len();
+                    perm.swap(q - 2, q - 1);
+                    transpose_view(&v, &perm)
+                };
+                let at = swapped(view_of(&view, n.inputs[0]));
+                let bt = swapped(view_of(&view, n.inputs[1]));
+                let batch: usize = out_ty.shape[..r - 2].iter().product();
+                let (m, nn) = (out_ty.shape[r - 2], out_ty.shape[r - 1]);
+                let kk = at.shape[at.shape.len() - 2];
+                if let (Some(b3), Some(a3)) = (as_batched(&bt, batch), as_batched(&at, batch)) {
+                    steps.push(Step::Matmul {
+                        out: g.nodes[*t].outputs[0],
+                        a: b3,
+                        b: a3,
+                        batch,
+                        m: nn,
+                        n: m,
+                        k: kk,
+                    });
+                    done[*t] = true;
+                    continue;
+                }
+            }
+        }
         steps.extend(structural_steps(g, k, &|v| view_of(&view, v))?);
     }
     Ok(steps)
