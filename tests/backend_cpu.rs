@@ -284,6 +284,27 @@ fn attention_forward_and_backward_grouped_query() {
     }
 }
 
+/// Rotary embedding runs as one step on cpu: both layouts, forward and inverse (the gradient),
+/// odd sequence and head counts, and an input read through a transpose.
+#[test]
+fn rope_both_layouts_and_inverse() {
+    for layout in ["half", "interleaved"] {
+        for inverse in [false, true] {
+            check(
+                &format!("rope {layout} inverse={inverse}"),
+                &format!(
+                    "graph g {{
+  input %x: f32[2,3,7,6]
+  %1: f32[2,7,3,6] = transpose(%x, perm=[0,2,1,3])
+  %2: f32[2,7,3,6] = rope(%1, theta=10000.0, layout={layout}, inverse={inverse})
+  output y = %2
+}}"
+                ),
+            );
+        }
+    }
+}
+
 #[test]
 fn matmuls_with_odd_shapes_transposed_and_shared_operands() {
     check(

@@ -26,7 +26,9 @@
 
 use crate::buffer_plan::{plan_slots, BufferPlan};
 use graphtrain_ir::decompose::decompose;
-use graphtrain_ir::{interp, BinaryOp, CompareOp, DType, Graph, HostTensor, Op, UnaryOp, ValueId};
+use graphtrain_ir::{
+    interp, BinaryOp, CompareOp, DType, Graph, HostTensor, Op, RopeLayout, UnaryOp, ValueId,
+};
 use std::fmt;
 
 /// How a Program is built.
@@ -293,6 +295,16 @@ pub enum Step {
         causal: bool,
         scale: f64,
     },
+    /// Rotary embedding of a rank-4 `[B, S, H, D]` view into contiguous `out`, with the angle
+    /// tables of `graphtrain_ir::decompose` (f64, cast to f32): per pair `(x1, x2)` of a head,
+    /// `(x1·cos - x2·sin, x1·sin + x2·cos)`; `inverse` negates the angles (the gradient).
+    Rope {
+        out: ValueId,
+        x: View,
+        theta: f64,
+        layout: RopeLayout,
+        inverse: bool,
+    },
     /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
     /// contiguous; the probabilities are recomputed per head.
     AttentionBackward {
@@ -309,9 +321,13 @@ pub enum Step {
 }
 
 /// Composites a Program runs as one step instead of decomposing them: attention, whose
-/// decomposition materializes `[B, H, S, S]` scores and probabilities.
+/// decomposition materializes `[B, H, S, S]` scores and probabilities, and rotary embedding,
+/// whose decomposition is two slices, two broadcasts, four products and a concat per call.
 pub fn kept_composite(op: &Op) -> bool {
-    matches!(op, Op::Attention { .. } | Op::AttentionBackward { .. })
+    matches!(
+        op,
+        Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Rope { .. }
+    )
 }
 
 impl Step {
@@ -329,6 +345,7 @@ impl Step {
             Step::Iota { .. } => vec![],
             Step::Random { seed, .. } => vec![*seed],
             Step::Attention { q, k, v, .. } => vec![q.base, k.base, v.base],
+            Step::Rope { x, .. } => vec![x.base],
             Step::AttentionBackward { q, k, v, dout, .. } => {
                 vec![q.base, k.base, v.base, dout.base]
             }
@@ -345,7 +362,8 @@ impl Step {
             | Step::ScatterAdd { out, .. }
             | Step::Iota { out, .. }
             | Step::Random { out, .. }
-            | Step::Attention { out, .. } => *out,
+            | Step::Attention { out, .. }
+            | Step::Rope { out, .. } => *out,
             Step::Copy { dst, .. } => dst.base,
             Step::AttentionBackward { dq, .. } => *dq,
         }
@@ -370,6 +388,7 @@ impl Step {
             Step::Iota { .. } => "iota",
             Step::Random { .. } => "random",
             Step::Attention { .. } => "attention",
+            Step::Rope { .. } => "rope",
             Step::AttentionBackward { .. } => "attention_backward",
         }
     }
@@ -858,6 +877,17 @@ fn structural_steps(
             causal: *causal,
             scale: *scale,
         },
+        Op::Rope {
+            theta,
+            layout,
+            inverse,
+        } => Step::Rope {
+            out,
+            x: view_of(n.inputs[0]),
+            theta: *theta,
+            layout: *layout,
+            inverse: *inverse,
+        },
         Op::AttentionBackward { causal, scale } => Step::AttentionBackward {
             dq: n.outputs[0],
             dk: n.outputs[1],
@@ -1221,6 +1251,7 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                             | Op::Concat { .. }
                             | Op::Attention { .. }
                             | Op::AttentionBackward { .. }
+                            | Op::Rope { .. }
                     )
             });
             if let (Some(v), true) = (v, readers_take_views) {

@@ -16,6 +16,7 @@ use crate::gemm::{self, Layout};
 use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
 use crate::pool::Pool;
 use crate::replay::{BoundLaunch, KernelCache, KernelCall};
+use crate::rope;
 use crate::{Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
@@ -46,6 +47,8 @@ pub struct CpuExecutor {
     bound: Vec<Option<Vec<BoundLaunch>>>,
     /// Whether launches dispatched through cubecl may still be queued.
     queued: bool,
+    /// Rotary angle tables by (theta bits, sequence, head dim, inverse), built on first use.
+    rope_tables: std::collections::HashMap<(u64, usize, usize, bool), rope::Tables>,
     /// Time spent in the first run (kernel JIT included).
     pub first_run: Option<Duration>,
     /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
@@ -107,6 +110,7 @@ memory is available to the cpu backend",
             cache: KernelCache::default(),
             bound: vec![None; steps],
             queued: false,
+            rope_tables: Default::default(),
             first_run: None,
             profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
         };
@@ -527,6 +531,38 @@ memory is available to the cpu backend",
                 );
                 // SAFETY: as for the forward step; the three outputs are distinct buffers.
                 unsafe { attention::backward(self.base, d, q, k, v, dout, grads) };
+            }
+            Step::Rope {
+                out,
+                x,
+                theta,
+                layout,
+                inverse,
+            } => {
+                let [b, sq, h, d] = match x.shape.as_slice() {
+                    &[b, s, h, d] if d % 2 == 0 => [b, s, h, d],
+                    other => {
+                        return Err(RuntimeError::Backend(format!(
+                            "rope needs a [B, S, H, D] input with D even, got {other:?}"
+                        )))
+                    }
+                };
+                let key = (theta.to_bits(), sq, d, *inverse);
+                let tables = self
+                    .rope_tables
+                    .entry(key)
+                    .or_insert_with(|| rope::Tables::new(*theta, sq, d, *inverse));
+                let mut strides = [0; 4];
+                strides.copy_from_slice(&x.strides);
+                let input = rope::Input {
+                    offset: self.program.elem_offset(x.base) + x.offset,
+                    shape: [b, sq, h, d],
+                    strides,
+                };
+                let out = self.program.elem_offset(*out);
+                // SAFETY: the view and the output lie in the arena, apart (the planner never
+                // places an output over a live operand).
+                unsafe { rope::apply(self.base, input, out, *layout, tables) };
             }
             _ => unreachable!("not a host step"),
         }

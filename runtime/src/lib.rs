@@ -16,6 +16,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod pool;
 pub mod replay;
+pub mod rope;
 
 use graphtrain_ir::{interp, Graph, HostTensor, ValueId};
 use graphtrain_lowering::{lower, Mode, Program};

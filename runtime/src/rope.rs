@@ -1,0 +1,96 @@
+//! Rotary embedding on the cpu backend as one host step: the decomposition's two slices, two
+//! broadcast tables, four products and concat become one pass over the rows.
+//!
+//! Numerics: the angle tables are computed exactly as `graphtrain_ir::decompose` builds them (in
+//! f64: `freq_i = theta^(i · -2/D)`, `angle = pos · freq`, negated for `inverse`, then `cos` and
+//! `sin` cast to f32), and each output is `x1·cos - x2·sin` or `x1·sin + x2·cos` in f32, two
+//! roundings for the products and one for the sum, as the decomposed kernels do.
+
+use crate::pool::Pool;
+use graphtrain_ir::RopeLayout;
+
+/// The `[S, D/2]` cos and sin tables.
+pub struct Tables {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Tables {
+    pub fn new(theta: f64, seq: usize, head_dim: usize, inverse: bool) -> Tables {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq * half);
+        let mut sin = Vec::with_capacity(seq * half);
+        for pos in 0..seq {
+            for i in 0..half {
+                let freq = theta.powf(i as f64 * (-2.0 / head_dim as f64));
+                let mut angle = pos as f64 * freq;
+                if inverse {
+                    angle = -angle;
+                }
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Tables { cos, sin }
+    }
+}
+
+/// A rank-4 `[B, S, H, D]` input: element offset and strides.
+#[derive(Clone, Copy, Debug)]
+pub struct Input {
+    pub offset: usize,
+    pub shape: [usize; 4],
+    pub strides: [usize; 4],
+}
+
+#[derive(Clone, Copy)]
+struct Arena(*mut f32);
+// SAFETY: tasks write disjoint rows of the output and only read the input.
+unsafe impl Sync for Arena {}
+unsafe impl Send for Arena {}
+
+impl Arena {
+    /// Element `i` (a method, so closures capture the whole `Sync` wrapper, not its pointer).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// `out` (contiguous `[B, S, H, D]` at element offset `out`) = rope of `x`.
+///
+/// # Safety
+/// `base` is the arena; `x` and `out` lie inside it and do not overlap.
+pub unsafe fn apply(base: *mut f32, x: Input, out: usize, layout: RopeLayout, t: &Tables) {
+    let arena = Arena(base);
+    let [b, s, h, d] = x.shape;
+    let half = d / 2;
+    let rows = b * s;
+    let pool = Pool::global();
+    let tasks = (pool.width() * 4).min(rows.max(1));
+    pool.run(tasks, &|task| {
+        for row in rows * task / tasks..rows * (task + 1) / tasks {
+            let (bi, pos) = (row / s, row % s);
+            let (cos, sin) = (
+                &t.cos[pos * half..(pos + 1) * half],
+                &t.sin[pos * half..(pos + 1) * half],
+            );
+            for hi in 0..h {
+                let src = x.offset + bi * x.strides[0] + pos * x.strides[1] + hi * x.strides[2];
+                let dst = out + (row * h + hi) * d;
+                // Element `j` of this head's input and output.
+                // SAFETY: in the arena by the caller's contract; rows are split between tasks.
+                let at = |j: usize| unsafe { *arena.at(src + j * x.strides[3]) };
+                let put = |j: usize, v: f32| unsafe { *arena.at(dst + j) = v };
+                for i in 0..half {
+                    let (j1, j2) = match layout {
+                        RopeLayout::Half => (i, i + half),
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x1, x2) = (at(j1), at(j2));
+                    put(j1, x1 * cos[i] - x2 * sin[i]);
+                    put(j2, x1 * sin[i] + x2 * cos[i]);
+                }
+            }
+        }
+    });
+}
