@@ -1,15 +1,18 @@
 //! The `cpu` backend: a Program run on cubecl-cpu. One arena buffer holds every value; map,
 //! copy and reduce steps are cubecl kernels (`kernels.rs`) JIT-compiled through MLIR/LLVM;
-//! matmuls run our own GEMM (`gemm.rs`) and gather / scatter-add / iota / random run on the host,
-//! all on the arena's host memory, which cubecl-cpu lets us address directly.
+//! matmuls run our own GEMM (`gemm.rs`), attention and rope our own host kernels
+//! (`attention.rs`, `rope.rs`), and gather / scatter-add / iota / random run on the host, all on
+//! the arena's host memory, which cubecl-cpu lets us address directly.
 //!
 //! Why the GEMM is native: cubek-matmul's CpuGemm reached 16-26 GFLOP/s at 1024^3 here against a
 //! 333 GFLOP/s peak (docs/cubecl-notes.md); a packed, register-tiled GEMM on the same host
 //! buffers reaches most of the peak, and it is deterministic (fixed summation order, any thread
 //! count).
 //!
-//! Ordering: cubecl launches queue on its server; a host step first waits for the queue
-//! (`sync`), then runs on the calling thread, so every step sees its predecessors' writes.
+//! Ordering: a kernel step inside a capture region runs its bound launches synchronously
+//! (`replay.rs`); one outside every region is dispatched through cubecl and queues on its
+//! server. Any step that runs here first waits for that queue (`sync`, free when nothing is
+//! queued), so every step sees its predecessors' writes.
 
 use crate::attention;
 use crate::gemm::{self, Layout};
