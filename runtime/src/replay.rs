@@ -28,6 +28,23 @@ use std::collections::HashMap;
 /// whose buffers start at their allocation for its storage alignment, 64 bytes).
 const ARENA_ALIGN: u32 = 64;
 
+/// Calls `f(pre.., args[0], .., args[N - 1], post..)`: the launch and the kernel-object
+/// constructors take the scalar arguments one by one, in the kernel's parameter order.
+macro_rules! spread {
+    ($f:path, [$($pre:expr),*], $args:ident[0..18], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [$($post),*])
+    };
+    ($f:path, [$($pre:expr),*], $args:ident[0..14], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [$($post),*])
+    };
+    ($f:path, [$($pre:expr),*], $args:ident[0..12], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [$($post),*])
+    };
+    (@call $f:path, [$($pre:expr),*], $args:ident, [$($i:literal),*], [$($post:expr),*]) => {
+        $f($($pre,)* $($args[$i],)* $($post),*)
+    };
+}
+
 /// One kernel launch, fully resolved. The scalar arguments are in the kernel's parameter order
 /// (see `kernels.rs`).
 #[derive(Clone, Debug)]
@@ -154,92 +171,47 @@ impl KernelCall {
                     units,
                     modes,
                     expr,
-                    args: a,
-                } => map_kernel::launch_unchecked(
-                    client,
-                    count,
-                    CubeDim::new_1d(*units),
-                    *width,
-                    buffer,
-                    a[0],
-                    a[1],
-                    a[2],
-                    a[3],
-                    a[4],
-                    a[5],
-                    a[6],
-                    a[7],
-                    a[8],
-                    a[9],
-                    a[10],
-                    a[11],
-                    a[12],
-                    a[13],
-                    a[14],
-                    a[15],
-                    a[16],
-                    a[17],
-                    *modes,
-                    expr.clone(),
+                    args,
+                } => spread!(
+                    map_kernel::launch_unchecked,
+                    [client, count, CubeDim::new_1d(*units), *width, buffer],
+                    args[0..18],
+                    [*modes, expr.clone()]
                 ),
-                KernelCall::Copy { units, args: a } => copy_kernel::launch_unchecked(
-                    client,
-                    count,
-                    CubeDim::new_1d(*units),
-                    buffer,
-                    a[0],
-                    a[1],
-                    a[2],
-                    a[3],
-                    a[4],
-                    a[5],
-                    a[6],
-                    a[7],
-                    a[8],
-                    a[9],
-                    a[10],
-                    a[11],
-                    a[12],
-                    a[13],
+                KernelCall::Copy { units, args } => spread!(
+                    copy_kernel::launch_unchecked,
+                    [client, count, CubeDim::new_1d(*units), buffer],
+                    args[0..14],
+                    []
                 ),
                 KernelCall::Reduce {
                     units,
                     is_max,
                     rows,
-                    args: a,
-                } => reduce_kernel::launch_unchecked(
-                    client,
-                    count,
-                    CubeDim::new_1d(*units),
-                    buffer,
-                    a[0],
-                    a[1],
-                    a[2],
-                    a[3],
-                    a[4],
-                    a[5],
-                    a[6],
-                    a[7],
-                    a[8],
-                    a[9],
-                    a[10],
-                    a[11],
-                    *is_max,
-                    *rows,
+                    args,
+                } => spread!(
+                    reduce_kernel::launch_unchecked,
+                    [client, count, CubeDim::new_1d(*units), buffer],
+                    args[0..12],
+                    [*is_max, *rows]
                 ),
             }
         }
     }
 
-    /// The kernel object a launch would hand to the server, for compiling it ourselves.
+    /// The kernel object the same launch would hand to the server, for compiling it ourselves:
+    /// the macro-generated `create_dummy_kernel` registers the arguments exactly as
+    /// `launch_unchecked` does.
     fn kernel(
         &self,
         client: &Client,
         arena: &cubecl::server::Handle,
         arena_elems: usize,
     ) -> Box<dyn CubeKernel> {
-        let props = client.properties_shared();
-        let target = client.target_properties_shared();
+        let (props, target) = (
+            client.properties_shared(),
+            client.target_properties_shared(),
+        );
         let count = CubeCount::Static(1, 1, 1);
         // SAFETY: the buffer is only used to compile the kernel; nothing is launched with it.
         let buffer =
@@ -250,81 +222,36 @@ impl KernelCall {
                 units,
                 modes,
                 expr,
-                args: a,
-            } => Box::new(map_kernel::create_dummy_kernel(
-                props,
-                target,
-                count,
-                CubeDim::new_1d(*units),
-                *width,
-                buffer,
-                a[0],
-                a[1],
-                a[2],
-                a[3],
-                a[4],
-                a[5],
-                a[6],
-                a[7],
-                a[8],
-                a[9],
-                a[10],
-                a[11],
-                a[12],
-                a[13],
-                a[14],
-                a[15],
-                a[16],
-                a[17],
-                *modes,
-                expr.clone(),
+                args,
+            } => Box::new(spread!(
+                map_kernel::create_dummy_kernel,
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    *width,
+                    buffer
+                ],
+                args[0..18],
+                [*modes, expr.clone()]
             )),
-            KernelCall::Copy { units, args: a } => Box::new(copy_kernel::create_dummy_kernel(
-                props,
-                target,
-                count,
-                CubeDim::new_1d(*units),
-                buffer,
-                a[0],
-                a[1],
-                a[2],
-                a[3],
-                a[4],
-                a[5],
-                a[6],
-                a[7],
-                a[8],
-                a[9],
-                a[10],
-                a[11],
-                a[12],
-                a[13],
+            KernelCall::Copy { units, args } => Box::new(spread!(
+                copy_kernel::create_dummy_kernel,
+                [props, target, count, CubeDim::new_1d(*units), buffer],
+                args[0..14],
+                []
             )),
             KernelCall::Reduce {
                 units,
                 is_max,
                 rows,
-                args: a,
-            } => Box::new(reduce_kernel::create_dummy_kernel(
-                props,
-                target,
-                count,
-                CubeDim::new_1d(*units),
-                buffer,
-                a[0],
-                a[1],
-                a[2],
-                a[3],
-                a[4],
-                a[5],
-                a[6],
-                a[7],
-                a[8],
-                a[9],
-                a[10],
-                a[11],
-                *is_max,
-                *rows,
+                args,
+            } => Box::new(spread!(
+                reduce_kernel::create_dummy_kernel,
+                [props, target, count, CubeDim::new_1d(*units), buffer],
+                args[0..12],
+                [*is_max, *rows]
             )),
         }
     }
