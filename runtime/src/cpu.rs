@@ -30,9 +30,10 @@ use std::time::{Duration, Instant};
 
 /// Widest vector the map kernels use (8 f32 = one AVX2 register).
 const VECTOR: usize = graphtrain_lowering::program::BROADCAST_ALIGN;
-/// Units per launch: one per core.
+/// Units per launch and GEMM threads: the pool's width (one per core), so the work split
+/// matches the threads that run it.
 fn units() -> u32 {
-    std::thread::available_parallelism().map_or(1, |n| n.get()) as u32
+    Pool::global().width() as u32
 }
 
 pub struct CpuExecutor {
@@ -43,7 +44,6 @@ pub struct CpuExecutor {
     _resource: Box<dyn std::any::Any>,
     base: *mut f32,
     len: usize,
-    threads: usize,
     /// Compiled kernels of the bound launches.
     cache: KernelCache,
     /// Per step of a captured region, its launches bound to the arena (on its first run).
@@ -109,7 +109,6 @@ memory is available to the cpu backend",
             _resource: Box::new(resource),
             base: ptr as *mut f32,
             len,
-            threads: Pool::global().width(),
             cache: KernelCache::default(),
             bound: vec![None; steps],
             queued: false,
@@ -416,7 +415,7 @@ memory is available to the cpu backend",
                 self.base.add(bo),
                 layout(b),
                 self.base.add(co),
-                self.threads,
+                units() as usize,
             );
         }
         Ok(())
@@ -550,19 +549,19 @@ memory is available to the cpu backend",
                         )))
                     }
                 };
+                let mut strides = [0; 4];
+                strides.copy_from_slice(&x.strides);
+                let input = rope::Input {
+                    offset: self.off(x.base) + x.offset,
+                    shape: [b, sq, h, d],
+                    strides,
+                };
+                let out = self.off(*out);
                 let key = (theta.to_bits(), sq, d, *inverse);
                 let tables = self
                     .rope_tables
                     .entry(key)
                     .or_insert_with(|| rope::Tables::new(*theta, sq, d, *inverse));
-                let mut strides = [0; 4];
-                strides.copy_from_slice(&x.strides);
-                let input = rope::Input {
-                    offset: self.program.elem_offset(x.base) + x.offset,
-                    shape: [b, sq, h, d],
-                    strides,
-                };
-                let out = self.program.elem_offset(*out);
                 // SAFETY: the view and the output lie in the arena, apart (the planner never
                 // places an output over a live operand).
                 unsafe { rope::apply(self.base, input, out, *layout, tables) };
