@@ -30,9 +30,10 @@ pub struct Layout {
 /// Minimum flops a spawned thread must get; below this, spawning costs more than it saves.
 const MIN_FLOPS_PER_THREAD: usize = 1 << 22;
 
-/// Tasks per thread: more than one so a thread slowed by other load can be compensated by
-/// the dynamic scheduler, few enough that re-packing B per task stays cheap.
-const TASKS_PER_THREAD: usize = 2;
+/// Tasks per thread. Every task packs its own A rows and B columns, so each extra task repeats
+/// packing; two per thread (to let a thread slowed by other load be helped out) cost 3-13% on
+/// `peer`'s shapes, most on the weight gradients (k = 2048), measured A/B in one process.
+const TASKS_PER_THREAD: usize = 1;
 
 /// Largest MR*NR over all kernels (edge tiles go through a stack temp of this size).
 const MAX_TILE: usize = 12 * 32;

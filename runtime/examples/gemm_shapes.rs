@@ -1,0 +1,85 @@
+//! GFLOP/s of the native GEMM on the shapes `peer`'s train step runs (from its profile), called
+//! directly on host buffers, on one thread and on the pool's full width.
+//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS]`
+//!
+//! This machine's speed drifts by up to 1.5x within seconds (a shared host: a register-only FMA
+//! loop measured 92-153 GFLOP/s per core within a minute), so compare two builds by alternating
+//! them several times, and compare with `torch.matmul` in the same sitting
+//! (docs/benchmarks.md).
+
+use graphtrain_runtime::gemm::{sgemm, Layout};
+use std::time::Instant;
+
+/// (label, m, n, k, A stored transposed, B stored transposed)
+const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
+    ("x @ w      2048x256x256", 2048, 256, 256, false, false),
+    ("x @ w1     2048x768x256", 2048, 768, 256, false, false),
+    ("h @ w2     2048x256x768", 2048, 256, 768, false, false),
+    ("dy @ wT    2048x256x256", 2048, 256, 256, false, true),
+    ("xT @ dy    256x256x2048", 256, 256, 2048, true, false),
+    ("hT @ dy    768x256x2048", 768, 256, 2048, true, false),
+    ("xT @ dy    256x768x2048", 256, 768, 2048, true, false),
+    ("x @ head   2048x2048x256", 2048, 2048, 256, false, false),
+    ("square     1024^3", 1024, 1024, 1024, false, false),
+];
+
+fn layout(rows: usize, cols: usize, trans: bool) -> Layout {
+    let (row_stride, col_stride) = if trans { (1, rows) } else { (cols, 1) };
+    Layout {
+        row_stride,
+        col_stride,
+        batch_stride: rows * cols,
+    }
+}
+
+fn main() {
+    let width = graphtrain_runtime::pool::Pool::global().width();
+    let threads: Vec<usize> = match std::env::args().nth(1) {
+        Some(t) => vec![t.parse().expect("THREADS must be a number")],
+        None => vec![1, width],
+    };
+    for &(label, m, n, k, ta, tb) in SHAPES {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 104729) % 1000) as f32 * 1e-3)
+            .collect();
+        let mut c = vec![0f32; m * n];
+        let (la, lb) = (layout(m, k, ta), layout(k, n, tb));
+        let flops = 2.0 * (m * n * k) as f64;
+        let mut line = format!("{label:<26}");
+        for &t in &threads {
+            // SAFETY: a, b and c hold exactly the m x k, k x n and m x n elements the layouts
+            // address, and c overlaps neither.
+            let run = |c: &mut [f32]| unsafe {
+                sgemm(
+                    1,
+                    m,
+                    n,
+                    k,
+                    a.as_ptr(),
+                    la,
+                    b.as_ptr(),
+                    lb,
+                    c.as_mut_ptr(),
+                    t,
+                )
+            };
+            for _ in 0..3 {
+                run(&mut c);
+            }
+            let reps = ((1e9 * t as f64 / flops) as usize).clamp(3, 400);
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    run(&mut c);
+                }
+                best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+            }
+            line += &format!("  {t} thr {:6.1} GFLOP/s", flops / best / 1e9);
+        }
+        println!("{line}");
+    }
+}
