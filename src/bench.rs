@@ -166,3 +166,86 @@ pub fn run(
         losses,
     })
 }
+
+/// `bench --against`: two step programs timed in alternation on one machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct PairedSummary {
+    pub model: String,
+    pub config: String,
+    pub backend: String,
+    /// The pipelines as given: `--passes` (or `--pipeline`'s file), the baseline, and
+    /// `--against`, the candidate.
+    pub baseline_pipeline: String,
+    pub candidate_pipeline: String,
+    pub warmup: u64,
+    pub pairs: u64,
+    pub baseline_median_step_s: f64,
+    pub candidate_median_step_s: f64,
+    /// Candidate step time over the baseline step time run next to it, per pair: median and
+    /// quartiles. Adjacent steps see the same machine, so this drifts far less than either
+    /// median on a shared host.
+    pub ratio_median: f64,
+    pub ratio_q1: f64,
+    pub ratio_q3: f64,
+    pub baseline_step_times_s: Vec<f64>,
+    pub candidate_step_times_s: Vec<f64>,
+}
+
+/// Element at fraction `q` of the sorted `xs` (nearest rank).
+fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Warms both trainers up, then runs `pairs` pairs of steps, alternating which one goes first
+/// (A B, B A, A B, ...) so a steady drift in machine speed favours neither.
+pub fn paired(
+    baseline: &mut Trainer,
+    candidate: &mut Trainer,
+    warmup: u64,
+    pairs: u64,
+    labels: (&str, &str, &str),
+    pipelines: (&str, &str),
+    mut on_pair: impl FnMut(u64, f64, f64),
+) -> Result<PairedSummary, String> {
+    let step = |t: &mut Trainer| t.step().map(|m| m.seconds).map_err(|e| e.to_string());
+    for _ in 0..warmup {
+        step(baseline)?;
+        step(candidate)?;
+    }
+    let (mut tb, mut tc, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..pairs {
+        let (b, c) = if i % 2 == 0 {
+            let b = step(baseline)?;
+            (b, step(candidate)?)
+        } else {
+            let c = step(candidate)?;
+            (step(baseline)?, c)
+        };
+        on_pair(i + 1, b, c);
+        tb.push(b);
+        tc.push(c);
+        ratios.push(c / b);
+    }
+    let (model, config, backend) = labels;
+    Ok(PairedSummary {
+        model: model.to_string(),
+        config: config.to_string(),
+        backend: backend.to_string(),
+        baseline_pipeline: pipelines.0.to_string(),
+        candidate_pipeline: pipelines.1.to_string(),
+        warmup,
+        pairs,
+        baseline_median_step_s: median(&tb),
+        candidate_median_step_s: median(&tc),
+        ratio_median: median(&ratios),
+        ratio_q1: quantile(&ratios, 0.25),
+        ratio_q3: quantile(&ratios, 0.75),
+        baseline_step_times_s: tb,
+        candidate_step_times_s: tc,
+    })
+}

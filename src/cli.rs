@@ -297,12 +297,16 @@ impl LoweringMode {
 impl TrainArgs {
     /// Validates the flags, builds the step through the pipeline and initializes the trainer.
     fn session(&self, registry: &Registry) -> Result<Session, String> {
+        self.session_with(self.passes.pipeline(registry)?)
+    }
+
+    /// `session` with another pipeline than the flags give.
+    fn session_with(&self, pipeline: Pipeline) -> Result<Session, String> {
         let cfg = model_config(&self.model)?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return Err(format!("--lr must be a positive number, got {}", self.lr));
         }
         let optim = self.optim.config()?;
-        let pipeline = self.passes.pipeline(registry)?;
         let backend: Backend = self.backend.parse()?;
         if let Some(why) = backend.unavailable() {
             return Err(why);
@@ -366,6 +370,12 @@ pub struct BenchArgs {
     /// Write the summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Compare with a second pipeline (same syntax as --passes): both steps are built, warmed
+    /// up, then run in alternating pairs for --steps pairs, and the report gives each median and
+    /// the median ratio of paired steps (candidate / --passes). Use it to compare pipelines on a
+    /// machine whose speed drifts: adjacent steps see the same machine.
+    #[arg(long)]
+    pub against: Option<String>,
 }
 
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
@@ -678,6 +688,9 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
+    if let Some(against) = &a.against {
+        return bench_paired(&a, against, registry);
+    }
     let Session {
         mut trainer,
         load_time,
@@ -757,6 +770,59 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         s.measured_peak_bytes as f64 / MIB,
         mib_or_na(s.load_rss_growth_bytes),
         mib_or_na(s.peak_rss_bytes)
+    );
+    if let Some(path) = &a.json {
+        let body = serde_json::to_string_pretty(&s)
+            .map_err(|e| format!("cannot encode the summary: {e}"))?;
+        std::fs::write(path, body)
+            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+        say!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `bench --against`: the baseline (`--passes`) and the candidate step, timed in pairs.
+fn bench_paired(a: &BenchArgs, against: &str, registry: &Registry) -> Result<(), String> {
+    let mut candidate_pipeline = PipelineSpec::parse_list(against)
+        .and_then(|spec| spec.build(registry))
+        .map_err(|e| format!("--against: {e}"))?;
+    candidate_pipeline.verify_each |= a.train.passes.verify_each;
+    let baseline_label = match &a.train.passes.pipeline {
+        Some(file) => file.display().to_string(),
+        None => a.train.passes.passes.clone(),
+    };
+    let mut baseline = a.train.session(registry)?.trainer;
+    let mut candidate = a.train.session_with(candidate_pipeline)?.trainer;
+    let s = crate::bench::paired(
+        &mut baseline,
+        &mut candidate,
+        a.warmup,
+        a.steps,
+        (
+            &a.train.model.model,
+            &a.train.model.config,
+            &a.train.backend,
+        ),
+        (&baseline_label, against),
+        |i, b, c| {
+            say!(
+                "pair: {i:>2} baseline: {} candidate: {} ratio: {:.3}",
+                duration(b),
+                duration(c),
+                c / b
+            )
+        },
+    )?;
+    say!(
+        "paired: baseline `{}` median {}, candidate `{}` median {}; candidate/baseline per pair: median {:.3} (quartiles {:.3}..{:.3}) over {} pairs",
+        s.baseline_pipeline,
+        duration(s.baseline_median_step_s),
+        s.candidate_pipeline,
+        duration(s.candidate_median_step_s),
+        s.ratio_median,
+        s.ratio_q1,
+        s.ratio_q3,
+        s.pairs
     );
     if let Some(path) = &a.json {
         let body = serde_json::to_string_pretty(&s)

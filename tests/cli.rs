@@ -393,3 +393,41 @@ fn bench_reports_speed_compile_time_and_memory() {
         &["--steps must be at least 1"],
     );
 }
+
+#[test]
+fn bench_against_times_two_pipelines_in_pairs() {
+    let json = std::env::temp_dir().join(format!("graphtrain-paired-{}.json", std::process::id()));
+    let o = graphtrain(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--against",
+        "ac=full,default",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(out.lines().filter(|l| l.starts_with("pair: ")).count(), 3, "{out}");
+    assert!(
+        out.contains("paired: baseline `default` median")
+            && out.contains("candidate `ac=full,default` median")
+            && out.contains("over 3 pairs"),
+        "{out}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let times = |key: &str| summary[key].as_array().map(|a| a.len());
+    assert_eq!(times("baseline_step_times_s"), Some(3));
+    assert_eq!(times("candidate_step_times_s"), Some(3));
+    let ratio = summary["ratio_median"].as_f64().unwrap();
+    assert!(ratio.is_finite() && ratio > 0.0, "{ratio}");
+    assert_clean_error(
+        &graphtrain(&["bench", "--config", "tiny", "--against", "ac=sometimes"]),
+        &["--against", "sometimes"],
+    );
+}
