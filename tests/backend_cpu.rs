@@ -208,6 +208,43 @@ fn broadcast_reads_in_elementwise_ops() {
     );
 }
 
+/// Gather and scatter-add along the first, a middle and the last axis, with indices that vary
+/// along a row and with rows of one index (the embedding's pattern, copied as whole rows).
+#[test]
+fn gather_and_scatter_add_along_every_axis() {
+    check(
+        "gather/scatter_add",
+        "graph g {
+  input %s: f32[6,5]
+  input %i0: i32[4,5]
+  input %i1: i32[6,3]
+  input %e: i32[4,1]
+  input %a0: f32[4,5]
+  input %a1: f32[6,3]
+  input %t: f32[3,4,5]
+  input %i2: i32[3,2,5]
+  input %a2: f32[3,2,5]
+  %x: i32[4,5] = expand(%e, shape=[4,5])
+  %g0: f32[4,5] = gather(%s, %i0, axis=0)
+  %g1: f32[6,3] = gather(%s, %i1, axis=1)
+  %g2: f32[4,5] = gather(%s, %x, axis=0)
+  %g3: f32[3,2,5] = gather(%t, %i2, axis=1)
+  %s0: f32[6,5] = scatter_add(%s, %i0, %a0, axis=0)
+  %s1: f32[6,5] = scatter_add(%s, %x, %a0, axis=0)
+  %s2: f32[6,5] = scatter_add(%s, %i1, %a1, axis=1)
+  %s3: f32[3,4,5] = scatter_add(%t, %i2, %a2, axis=1)
+  output g0 = %g0
+  output g1 = %g1
+  output g2 = %g2
+  output g3 = %g3
+  output s0 = %s0
+  output s1 = %s1
+  output s2 = %s2
+  output s3 = %s3
+}",
+    );
+}
+
 #[test]
 fn reductions_over_leading_trailing_and_middle_axes() {
     check(

@@ -412,7 +412,11 @@ fn bench_against_times_two_pipelines_in_pairs() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    assert_eq!(out.lines().filter(|l| l.starts_with("pair: ")).count(), 3, "{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("pair: ")).count(),
+        3,
+        "{out}"
+    );
     assert!(
         out.contains("paired: baseline `default` median")
             && out.contains("candidate `ac=full,default` median")
