@@ -245,20 +245,29 @@ fn gather_and_scatter_add_along_every_axis() {
     );
 }
 
+/// `%y`'s reductions over outer and middle axes keep a contiguous inner dim of whole vectors
+/// (24), so they run eight outputs at a time (`reduce_cols_kernel`); `%x`'s (11) cannot.
 #[test]
 fn reductions_over_leading_trailing_and_middle_axes() {
     check(
         "reduce",
         "graph g {
   input %x: f32[4,6,11]
+  input %y: f32[3,5,24]
   %1: f32[4,6] = reduce_sum(%x, axes=[2], keepdim=false)
   %2: f32[11] = reduce_sum(%x, axes=[0,1], keepdim=false)
   %3: f32[4,1,11] = reduce_max(%x, axes=[1], keepdim=true)
   %4: f32[] = reduce_sum(%x, axes=[0,1,2], keepdim=false)
+  %5: f32[24] = reduce_sum(%y, axes=[0,1], keepdim=false)
+  %6: f32[3,24] = reduce_max(%y, axes=[1], keepdim=false)
+  %7: f32[1,5,24] = reduce_sum(%y, axes=[0], keepdim=true)
   output a = %1
   output b = %2
   output c = %3
   output d = %4
+  output e = %5
+  output f = %6
+  output g = %7
 }",
     );
 }

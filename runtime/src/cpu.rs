@@ -362,23 +362,35 @@ memory is available to the cpu backend",
         if red_shape.contains(&0) {
             m = [0, 1];
         }
+        let rows = m[0] == 1 && q[1] == 1;
+        let (src_off, out_off) = (self.off(src.base) + src.offset, self.off(out));
+        // Outputs contiguous along the inner kept dim, reduced over outer dims: whole vectors
+        // of outputs at once when every offset and stride is in whole vectors.
+        let by_vectors = !rows
+            && s[2] == 1
+            && n[2] % VECTOR == 0
+            && [src_off, out_off, s[0], s[1], q[0], q[1]]
+                .iter()
+                .all(|x| x % VECTOR == 0);
+        let width = if by_vectors { VECTOR } else { 1 };
         calls.push(KernelCall::Reduce {
+            width,
             units: if len >= 64 { units() } else { 1 },
             is_max: kind == ReduceKind::Max,
-            rows: m[0] == 1 && q[1] == 1,
+            rows,
             args: [
-                len,
+                len / width,
                 n[1],
-                n[2],
-                s[0],
-                s[1],
-                s[2],
+                n[2] / width,
+                s[0] / width,
+                s[1] / width,
+                if by_vectors { 1 } else { s[2] },
                 m[0],
                 m[1],
-                q[0],
-                q[1],
-                self.off(src.base) + src.offset,
-                self.off(out),
+                q[0] / width,
+                q[1] / width,
+                src_off / width,
+                out_off / width,
             ],
         });
         Ok(())
@@ -828,7 +840,8 @@ impl Executor for CpuExecutor {
             "profile over all runs but the first (each step waited for): {:.3}s\n",
             total.as_secs_f64()
         );
-        for (k, d, n, flops) in p.iter().take(30) {
+        let shown = if self.profile_each_step { 120 } else { 30 };
+        for (k, d, n, flops) in p.iter().take(shown) {
             let rate = if *flops > 0.0 {
                 format!(
                     "  {:.0} GFLOP/s",

@@ -409,3 +409,67 @@ pub fn reduce_kernel(
         arena[out + o] = acc;
     }
 }
+
+#[cube]
+fn combine_vec<N: Size>(
+    acc: Vector<f32, N>,
+    x: Vector<f32, N>,
+    #[comptime] is_max: bool,
+) -> Vector<f32, N> {
+    if comptime!(is_max) {
+        max(acc, x)
+    } else {
+        acc + x
+    }
+}
+
+/// `reduce_kernel` without `rows`, `N` outputs at a time: every argument counts vectors of `N`
+/// (offsets and strides included), and each lane of an output vector takes its elements in the
+/// same index order as the scalar kernel, so the bits are the same. For reductions over outer
+/// dims whose kept inner dim is contiguous (the norm weights' gradients: `[S, D] -> [D]`), where
+/// the scalar kernel reads one float per cache line per output.
+#[cube(launch_unchecked, create_dummy_kernel)]
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_cols_kernel<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    len: usize,
+    n1: usize,
+    n2: usize,
+    s0: usize,
+    s1: usize,
+    s2: usize,
+    m0: usize,
+    m1: usize,
+    q0: usize,
+    q1: usize,
+    src: usize,
+    out: usize,
+    #[comptime] is_max: bool,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let chunk = len.div_ceil(units);
+    let start = ABSOLUTE_POS * chunk;
+    let mut end = start + chunk;
+    if end > len {
+        end = len;
+    }
+    let init = if is_max {
+        Vector::<f32, N>::new(f32::NEG_INFINITY)
+    } else {
+        Vector::<f32, N>::new(0.0)
+    };
+    for o in start..end {
+        let i2 = o % n2;
+        let r = o / n2;
+        let i1 = r % n1;
+        let i0 = r / n1;
+        let base = src + i0 * s0 + i1 * s1 + i2 * s2;
+        let mut acc = init;
+        for a in 0..m0 {
+            for b in 0..m1 {
+                acc = combine_vec::<N>(acc, arena[base + a * q0 + b * q1], is_max);
+            }
+        }
+        arena[out + o] = acc;
+    }
+}

@@ -13,7 +13,7 @@
 //! work split as the dispatched one, so replay is bitwise equal to dispatch (tested in
 //! tests/backend_cpu.rs and by the pipeline gate).
 
-use crate::kernels::{copy_kernel, map_kernel, reduce_kernel};
+use crate::kernels::{copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel};
 use crate::pool::Pool;
 use crate::RuntimeError;
 use cubecl::cpu::CpuCompiler;
@@ -60,7 +60,10 @@ pub enum KernelCall {
         units: u32,
         args: [usize; 14],
     },
+    /// `width` 1: `reduce_kernel`; wider: `reduce_cols_kernel` at that vector width (never
+    /// with `rows`), every argument in vectors.
     Reduce {
+        width: usize,
         units: u32,
         is_max: bool,
         rows: bool,
@@ -81,6 +84,7 @@ enum KernelKey {
         units: u32,
     },
     Reduce {
+        width: usize,
         units: u32,
         is_max: bool,
         rows: bool,
@@ -104,11 +108,13 @@ impl KernelCall {
             },
             KernelCall::Copy { units, .. } => KernelKey::Copy { units: *units },
             KernelCall::Reduce {
+                width,
                 units,
                 is_max,
                 rows,
                 ..
             } => KernelKey::Reduce {
+                width: *width,
                 units: *units,
                 is_max: *is_max,
                 rows: *rows,
@@ -135,8 +141,8 @@ impl KernelCall {
     /// Elements of the bound buffer, in the kernel's element type (vectors for a map).
     fn buffer_len(&self, arena_elems: usize) -> usize {
         match self {
-            KernelCall::Map { width, .. } => arena_elems / width,
-            _ => arena_elems,
+            KernelCall::Map { width, .. } | KernelCall::Reduce { width, .. } => arena_elems / width,
+            KernelCall::Copy { .. } => arena_elems,
         }
     }
 
@@ -185,6 +191,7 @@ impl KernelCall {
                     []
                 ),
                 KernelCall::Reduce {
+                    width: 1,
                     units,
                     is_max,
                     rows,
@@ -194,6 +201,18 @@ impl KernelCall {
                     [client, count, CubeDim::new_1d(*units), buffer],
                     args[0..12],
                     [*is_max, *rows]
+                ),
+                KernelCall::Reduce {
+                    width,
+                    units,
+                    is_max,
+                    args,
+                    ..
+                } => spread!(
+                    reduce_cols_kernel::launch_unchecked,
+                    [client, count, CubeDim::new_1d(*units), *width, buffer],
+                    args[0..12],
+                    [*is_max]
                 ),
             }
         }
@@ -243,6 +262,7 @@ impl KernelCall {
                 []
             )),
             KernelCall::Reduce {
+                width: 1,
                 units,
                 is_max,
                 rows,
@@ -252,6 +272,25 @@ impl KernelCall {
                 [props, target, count, CubeDim::new_1d(*units), buffer],
                 args[0..12],
                 [*is_max, *rows]
+            )),
+            KernelCall::Reduce {
+                width,
+                units,
+                is_max,
+                args,
+                ..
+            } => Box::new(spread!(
+                reduce_cols_kernel::create_dummy_kernel,
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    *width,
+                    buffer
+                ],
+                args[0..12],
+                [*is_max]
             )),
         }
     }
