@@ -174,16 +174,143 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     combine(acc, |p, q| p + q) + tail
 }
 
+/// Row maximum, sum and dot product in the lane order of `lanes`: AVX2 registers where
+/// `AVX2` (only inside functions that checked the feature), the portable loops otherwise. LLVM
+/// does not vectorize the portable ones (eight scalar chains, 0.3 ns per element each), and
+/// each lane of a register takes exactly the elements, in the order, of its scalar chain, so
+/// both give the same bits.
+#[inline(always)]
+fn row_max<const AVX2: bool>(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: `AVX2` is set only where the cpu has it.
+        return unsafe { x86::reduce(xs, xs, x86::Reduce::Max) };
+    }
+    lanes(xs, f32::NEG_INFINITY, f32::max)
+}
+
+#[inline(always)]
+fn row_sum<const AVX2: bool>(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: as in `row_max`.
+        return unsafe { x86::reduce(xs, xs, x86::Reduce::Sum) };
+    }
+    lanes(xs, 0.0, |a, b| a + b)
+}
+
+#[inline(always)]
+fn row_dot<const AVX2: bool>(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: as in `row_max`.
+        return unsafe { x86::reduce(a, b, x86::Reduce::Dot) };
+    }
+    dot(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{combine, LANES};
+    use std::arch::x86_64::*;
+
+    #[derive(Clone, Copy, PartialEq)]
+    pub enum Reduce {
+        Max,
+        Sum,
+        Dot,
+    }
+
+    /// `lanes` (max or sum of `a`) or `dot(a, b)` with one 8-wide register as the eight
+    /// chains. NaN handling differs from `f32::max` (`maxps` keeps its second operand), which
+    /// only matters for a row holding NaN, whose probabilities are NaN either way.
+    ///
+    /// # Safety
+    /// The cpu has AVX2; `b` is at least as long as `a` for `Dot`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub unsafe fn reduce(a: &[f32], b: &[f32], op: Reduce) -> f32 {
+        let n = a.len() / LANES * LANES;
+        let mut acc = _mm256_set1_ps(if op == Reduce::Max {
+            f32::NEG_INFINITY
+        } else {
+            0.0
+        });
+        let mut i = 0;
+        while i < n {
+            // SAFETY: `i + 8 <= n <= a.len()` (and `b.len()` for `Dot`).
+            let x = unsafe { _mm256_loadu_ps(a.as_ptr().add(i)) };
+            acc = match op {
+                Reduce::Max => _mm256_max_ps(acc, x),
+                Reduce::Sum => _mm256_add_ps(acc, x),
+                Reduce::Dot => {
+                    // SAFETY: as above.
+                    let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(i)) };
+                    _mm256_add_ps(acc, _mm256_mul_ps(x, y))
+                }
+            };
+            i += LANES;
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: `lanes` holds eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        match op {
+            Reduce::Max => a[n..]
+                .iter()
+                .fold(combine(lanes, f32::max), |m, &x| m.max(x)),
+            Reduce::Sum => a[n..]
+                .iter()
+                .fold(combine(lanes, |p, q| p + q), |s, &x| s + x),
+            Reduce::Dot => {
+                let tail = a[n..]
+                    .iter()
+                    .zip(&b[n..])
+                    .map(|(x, y)| x * y)
+                    .fold(0.0, |s, v| s + v);
+                combine(lanes, |p, q| p + q) + tail
+            }
+        }
+    }
+}
+
 /// One row of probabilities: `live` scaled, masked scores in, `p` out (zeros past `live`).
 #[inline(always)]
-fn softmax_row(row: &mut [f32], live: usize, scale: f32) {
+fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) {
     let (head, rest) = row.split_at_mut(live);
     head.iter_mut().for_each(|x| *x *= scale);
-    let max = lanes(head, f32::NEG_INFINITY, f32::max);
+    let max = row_max::<AVX2>(head);
     head.iter_mut().for_each(|x| *x = exp(*x - max));
-    let sum = lanes(head, 0.0, |a, b| a + b);
+    let sum = row_sum::<AVX2>(head);
     head.iter_mut().for_each(|x| *x /= sum);
     rest.fill(0.0);
+}
+
+/// `ds = p (dp - Σ_j p dp)` row by row, in place over `ds` (which holds `dp`).
+#[inline(always)]
+fn softmax_grad_rows<const AVX2: bool>(p: &[f32], ds: &mut [f32], n: usize) {
+    for (prow, drow) in p.chunks_exact(n).zip(ds.chunks_exact_mut(n)) {
+        let t = row_dot::<AVX2>(prow, drow);
+        for (x, pp) in drow.iter_mut().zip(prow) {
+            *x = pp * (*x - t);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn softmax_grad_rows_avx2(p: &[f32], ds: &mut [f32], n: usize) {
+    softmax_grad_rows::<true>(p, ds, n)
+}
+
+/// `softmax_grad_rows` in its AVX2 build where the cpu has it (same bits, see `row_max`).
+fn softmax_grad(p: &[f32], ds: &mut [f32], n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the feature is present.
+        unsafe { softmax_grad_rows_avx2(p, ds, n) };
+        return;
+    }
+    softmax_grad_rows::<false>(p, ds, n)
 }
 
 /// Query rows per block. A causal block of rows `r0..r1` only needs keys `0..r1`, so blocks
@@ -202,7 +329,7 @@ fn blocks(d: &Dims) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
 #[target_feature(enable = "avx2")]
 unsafe fn softmax_rows_avx2(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        softmax_row(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
+        softmax_row::<true>(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
     }
 }
 
@@ -217,7 +344,7 @@ fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
         return;
     }
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        softmax_row(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
+        softmax_row::<false>(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
     }
 }
 
@@ -372,12 +499,7 @@ pub unsafe fn backward(
                         vtl,
                         ds.as_mut_ptr(),
                     );
-                    for (prow, drow) in p.chunks_exact(n).zip(ds.chunks_exact_mut(n)) {
-                        let t = dot(prow, drow);
-                        for (x, pp) in drow.iter_mut().zip(prow) {
-                            *x = pp * (*x - t);
-                        }
-                    }
+                    softmax_grad(p, ds, n);
                     // dq[r0..r1] = (ds k[..n]) * scale
                     let dqb = arena.0.add(dq + r0 * hd);
                     mm(
@@ -422,6 +544,69 @@ pub unsafe fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i + seed) * 7919 % 1013) as f32 - 506.0) * 0.013)
+            .collect()
+    }
+
+    /// The AVX2 row reductions and softmax give the portable loops' bits, odd lengths included.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_rows_match_the_portable_loops_bit_for_bit() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for len in (0..40).chain([255, 256, 257]) {
+            let (a, b) = (row(len, 1), row(len, 5));
+            // SAFETY: AVX2 checked above.
+            let fast = unsafe {
+                [
+                    x86::reduce(&a, &a, x86::Reduce::Max),
+                    x86::reduce(&a, &a, x86::Reduce::Sum),
+                    x86::reduce(&a, &b, x86::Reduce::Dot),
+                ]
+            };
+            let slow = [
+                lanes(&a, f32::NEG_INFINITY, f32::max),
+                lanes(&a, 0.0, |x, y| x + y),
+                dot(&a, &b),
+            ];
+            assert_eq!(fast.map(f32::to_bits), slow.map(f32::to_bits), "len {len}");
+            if len >= 3 {
+                let d = Dims {
+                    batch: 1,
+                    heads: 1,
+                    kv_heads: 1,
+                    seq: len,
+                    head_dim: 2,
+                    causal: true,
+                    scale: 0.3,
+                };
+                let (mut fast, mut slow) = (a.repeat(3), a.repeat(3));
+                // Three rows of a causal block starting at row len - 3: row i sees len - 2 + i keys.
+                softmax_rows(&mut fast, len, len - 3, &d);
+                for (i, r) in slow.chunks_exact_mut(len).enumerate() {
+                    softmax_row::<false>(r, len - 2 + i, 0.3);
+                }
+                assert_eq!(
+                    fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    slow.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "softmax, len {len}"
+                );
+                let (mut fast, mut slow) = (b.repeat(3), b.repeat(3));
+                let p = a.repeat(3);
+                softmax_grad(&p, &mut fast, len);
+                softmax_grad_rows::<false>(&p, &mut slow, len);
+                assert_eq!(
+                    fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    slow.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "softmax gradient, len {len}"
+                );
+            }
+        }
+    }
 
     /// `pow2` against the plain conversion it replaces, over every exponent `exp` can reach.
     #[test]
