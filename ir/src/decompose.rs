@@ -511,14 +511,17 @@ fn softmax(e: &mut Emit, x: ValueId, axis: usize, log: bool) -> R {
         },
         vec![x],
     )?;
-    let max = e.expand(max, shape)?;
+    let max = e.expand(max, shape.clone())?;
     let shifted = e.sub(x, max)?;
     let exp = e.unary(UnaryOp::Exp, shifted)?;
-    let sum = e.sum_back(exp, axis)?;
     if log {
+        // The log of each row's sum, then broadcast: one log per row, not per element.
+        let sum = e.reduce_sum(exp, vec![axis], true)?;
         let log_sum = e.unary(UnaryOp::Log, sum)?;
+        let log_sum = e.expand(log_sum, shape)?;
         e.sub(shifted, log_sum)
     } else {
+        let sum = e.sum_back(exp, axis)?;
         e.div(exp, sum)
     }
 }
