@@ -419,6 +419,53 @@ fn composites_decompose_and_match() {
     );
 }
 
+/// Cross-entropy and its gradient as host steps: odd sizes (not multiples of the 8-wide
+/// lanes), logits read through a transpose (a strided row), and an upstream gradient that is
+/// not 1.
+#[test]
+fn cross_entropy_forward_and_backward() {
+    check(
+        "cross-entropy",
+        "graph g {
+  input %x: f32[13,37]
+  input %xt: f32[37,13]
+  input %t: i32[13]
+  input %g: f32[]
+  %1: f32[] = cross_entropy(%x, %t)
+  %2: f32[13,37] = cross_entropy_backward(%x, %t, %g)
+  %3: f32[13,37] = transpose(%xt, perm=[1,0])
+  %4: f32[] = cross_entropy(%3, %t)
+  %5: f32[13,37] = cross_entropy_backward(%3, %t, %g)
+  output loss = %1
+  output grad = %2
+  output loss_t = %4
+  output grad_t = %5
+}",
+    );
+}
+
+/// A target outside the classes is an error that names it, not a wrong loss.
+#[test]
+fn a_bad_cross_entropy_target_is_an_error() {
+    let g = text::parse(
+        "graph g {
+  input %x: f32[3,5]
+  input %t: i32[3]
+  %1: f32[] = cross_entropy(%x, %t)
+  output loss = %1
+}",
+    )
+    .unwrap();
+    let mut inputs = random_inputs(&g, 0);
+    inputs[1].data[2] = 5.0;
+    let err = run_once(&g, Backend::Cpu, Mode::Fused, &inputs).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("target 5 at row 2 is out of range 0..5"),
+        "{err}"
+    );
+}
+
 /// A whole train step on `tiny`: cpu follows the interpreter within 1e-4 for 5 AdamW steps.
 #[test]
 fn tiny_train_step_matches_the_interpreter_after_five_steps() {

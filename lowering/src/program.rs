@@ -305,6 +305,20 @@ pub enum Step {
         layout: RopeLayout,
         inverse: bool,
     },
+    /// Mean cross-entropy of `[N, C]` logits against `[N]` class indices, into the scalar `out`.
+    CrossEntropy {
+        out: ValueId,
+        logits: View,
+        targets: View,
+    },
+    /// The gradient of `CrossEntropy` for the scalar upstream gradient `grad`, into contiguous
+    /// `[N, C]` `out`: `(softmax(logits) - onehot(targets)) · grad / N`.
+    CrossEntropyBackward {
+        out: ValueId,
+        logits: View,
+        targets: View,
+        grad: ValueId,
+    },
     /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
     /// contiguous; the probabilities are recomputed per head.
     AttentionBackward {
@@ -321,12 +335,18 @@ pub enum Step {
 }
 
 /// Composites a Program runs as one step instead of decomposing them: attention, whose
-/// decomposition materializes `[B, H, S, S]` scores and probabilities, and rotary embedding,
-/// whose decomposition is two slices, two broadcasts, four products and a concat per call.
+/// decomposition materializes `[B, H, S, S]` scores and probabilities; rotary embedding, whose
+/// decomposition is two slices, two broadcasts, four products and a concat per call; and
+/// cross-entropy, whose decomposition makes five passes over the `[N, C]` logits and builds a
+/// one-hot of the same size.
 pub fn kept_composite(op: &Op) -> bool {
     matches!(
         op,
-        Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Rope { .. }
+        Op::Attention { .. }
+            | Op::AttentionBackward { .. }
+            | Op::Rope { .. }
+            | Op::CrossEntropy
+            | Op::CrossEntropyBackward
     )
 }
 
@@ -346,6 +366,15 @@ impl Step {
             Step::Random { seed, .. } => vec![*seed],
             Step::Attention { q, k, v, .. } => vec![q.base, k.base, v.base],
             Step::Rope { x, .. } => vec![x.base],
+            Step::CrossEntropy {
+                logits, targets, ..
+            } => vec![logits.base, targets.base],
+            Step::CrossEntropyBackward {
+                logits,
+                targets,
+                grad,
+                ..
+            } => vec![logits.base, targets.base, *grad],
             Step::AttentionBackward { q, k, v, dout, .. } => {
                 vec![q.base, k.base, v.base, dout.base]
             }
@@ -363,7 +392,9 @@ impl Step {
             | Step::Iota { out, .. }
             | Step::Random { out, .. }
             | Step::Attention { out, .. }
-            | Step::Rope { out, .. } => *out,
+            | Step::Rope { out, .. }
+            | Step::CrossEntropy { out, .. }
+            | Step::CrossEntropyBackward { out, .. } => *out,
             Step::Copy { dst, .. } => dst.base,
             Step::AttentionBackward { dq, .. } => *dq,
         }
@@ -389,6 +420,8 @@ impl Step {
             Step::Random { .. } => "random",
             Step::Attention { .. } => "attention",
             Step::Rope { .. } => "rope",
+            Step::CrossEntropy { .. } => "cross_entropy",
+            Step::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Step::AttentionBackward { .. } => "attention_backward",
         }
     }
@@ -888,6 +921,17 @@ fn structural_steps(
             layout: *layout,
             inverse: *inverse,
         },
+        Op::CrossEntropy => Step::CrossEntropy {
+            out,
+            logits: view_of(n.inputs[0]),
+            targets: view_of(n.inputs[1]),
+        },
+        Op::CrossEntropyBackward => Step::CrossEntropyBackward {
+            out,
+            logits: view_of(n.inputs[0]),
+            targets: view_of(n.inputs[1]),
+            grad: n.inputs[2],
+        },
         Op::AttentionBackward { causal, scale } => Step::AttentionBackward {
             dq: n.outputs[0],
             dk: n.outputs[1],
@@ -1252,6 +1296,8 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                             | Op::Attention { .. }
                             | Op::AttentionBackward { .. }
                             | Op::Rope { .. }
+                            | Op::CrossEntropy
+                            | Op::CrossEntropyBackward
                     )
             });
             if let (Some(v), true) = (v, readers_take_views) {

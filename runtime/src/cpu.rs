@@ -15,6 +15,7 @@
 //! queued), so every step sees its predecessors' writes.
 
 use crate::attention;
+use crate::cross_entropy;
 use crate::gemm::{self, Layout};
 use crate::kernels::{MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
 use crate::pool::Pool;
@@ -150,6 +151,37 @@ memory is available to the cpu backend",
             offset: self.off(v.base) + v.offset,
             strides,
         }
+    }
+
+    /// The logits of a cross-entropy step and its checked targets.
+    fn cross_entropy_operands(
+        &self,
+        logits: &View,
+        targets: &View,
+    ) -> Result<(cross_entropy::Logits, Vec<usize>), RuntimeError> {
+        let (&[rows, cols], &[row_stride, col_stride], &[n], &[t_stride]) = (
+            logits.shape.as_slice(),
+            logits.strides.as_slice(),
+            targets.shape.as_slice(),
+            targets.strides.as_slice(),
+        ) else {
+            return Err(RuntimeError::Backend(format!(
+                "cross-entropy needs [N, C] logits and [N] targets, got {:?} and {:?}",
+                logits.shape, targets.shape
+            )));
+        };
+        let x = cross_entropy::Logits {
+            offset: self.off(logits.base) + logits.offset,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        };
+        let t_off = self.off(targets.base) + targets.offset;
+        // SAFETY: the targets view lies in the arena.
+        let t = unsafe { cross_entropy::targets(self.base, t_off, t_stride, n.min(rows), cols) }
+            .map_err(RuntimeError::Input)?;
+        Ok((x, t))
     }
 
     fn off(&self, v: ValueId) -> usize {
@@ -583,6 +615,27 @@ memory is available to the cpu backend",
                 // SAFETY: the views and the output lie in the arena, the output apart from them
                 // (the planner never places an output over a live operand).
                 unsafe { attention::forward(self.base, d, q, k, v, out) };
+            }
+            Step::CrossEntropy {
+                out,
+                logits,
+                targets,
+            } => {
+                let (x, t) = self.cross_entropy_operands(logits, targets)?;
+                // SAFETY: the views and the output lie in the arena.
+                unsafe { cross_entropy::forward(self.base, x, &t, self.off(*out)) };
+            }
+            Step::CrossEntropyBackward {
+                out,
+                logits,
+                targets,
+                grad,
+            } => {
+                let (x, t) = self.cross_entropy_operands(logits, targets)?;
+                let grad = self.off(*grad);
+                let g = self.arena_mut()[grad];
+                // SAFETY: as above; the planner never places an output over a live operand.
+                unsafe { cross_entropy::backward(self.base, x, &t, g, self.off(*out)) };
             }
             Step::AttentionBackward {
                 dq,

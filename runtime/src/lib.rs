@@ -12,11 +12,13 @@
 
 pub mod attention;
 pub mod cpu;
+pub mod cross_entropy;
 pub mod gemm;
 pub mod kernels;
 pub mod pool;
 pub mod replay;
 pub mod rope;
+mod rows;
 
 use graphtrain_ir::{interp, Graph, HostTensor, ValueId};
 use graphtrain_lowering::{lower, Mode, Program};

@@ -1,0 +1,234 @@
+//! Cross-entropy forward and backward on the cpu backend, one host step each.
+//!
+//! Why: decomposed, the loss is a log-softmax over the `[N, C]` logits (a max, an exp, a sum and
+//! two subtractions: five passes over N·C values, after a copy of the logits), and its gradient
+//! a softmax minus a one-hot built by scattering ones into a zero `[N, C]` tensor (another copy).
+//! Here each is one pass of tasks over blocks of rows, each row read while it is in cache.
+//!
+//! Numerics (f32 per element, the loss total in f64): per row `m = max_j x_j`,
+//! `s = Σ_j exp(x_j - m)` (`rows.rs`: fixed lane order, our `exp`),
+//! `loss_r = (m + ln s) - x_t`, and the loss is `Σ_r loss_r / N` with the rows summed in order,
+//! so the bits depend neither on the thread count nor on the split. Gradient:
+//! `(exp(x_j - m) / s - [j == t]) · (g / N)`.
+
+use crate::pool::Pool;
+use crate::rows::{exp, row_max, row_sum};
+
+/// `[N, C]` logits in the arena: element `(r, j)` at `offset + r·row_stride + j·col_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct Logits {
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+/// The arena's base pointer, shared by the tasks (each writes its own rows only).
+#[derive(Clone, Copy)]
+struct Arena(*mut f32);
+// SAFETY: tasks write disjoint rows and only read shared inputs.
+unsafe impl Sync for Arena {}
+unsafe impl Send for Arena {}
+
+/// The per-row losses, written by the tasks at disjoint rows.
+#[derive(Clone, Copy)]
+struct Slots(*mut f64);
+// SAFETY: as for `Arena`.
+unsafe impl Sync for Slots {}
+unsafe impl Send for Slots {}
+
+impl Slots {
+    /// Slot `i` (a method, so closures capture the whole `Sync` wrapper, not its pointer).
+    fn at(self, i: usize) -> *mut f64 {
+        self.0.wrapping_add(i)
+    }
+}
+
+impl Arena {
+    /// Row `r` of `x`, copied into `scratch` when its elements are not contiguous.
+    ///
+    /// # Safety
+    /// `x` lies in the arena.
+    unsafe fn row<'a>(self, x: &Logits, r: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        let start = self.0.wrapping_add(x.offset + r * x.row_stride);
+        if x.col_stride == 1 {
+            // SAFETY: the caller's contract.
+            return unsafe { std::slice::from_raw_parts(start, x.cols) };
+        }
+        for (j, s) in scratch.iter_mut().enumerate() {
+            // SAFETY: the caller's contract.
+            *s = unsafe { *start.add(j * x.col_stride) };
+        }
+        scratch
+    }
+}
+
+/// Checks every target against the number of classes; returns them as indices.
+///
+/// # Safety
+/// `targets` (`n` elements at `stride`) lies in the arena.
+pub unsafe fn targets(
+    base: *const f32,
+    offset: usize,
+    stride: usize,
+    n: usize,
+    classes: usize,
+) -> Result<Vec<usize>, String> {
+    (0..n)
+        .map(|r| {
+            // SAFETY: the caller's contract.
+            let t = unsafe { *base.add(offset + r * stride) };
+            if t >= 0.0 && (t as usize) < classes && t.fract() == 0.0 {
+                Ok(t as usize)
+            } else {
+                Err(format!(
+                    "cross-entropy target {t} at row {r} is out of range 0..{classes}"
+                ))
+            }
+        })
+        .collect()
+}
+
+/// `max`, then `exp(x - max)` into `e` and its sum.
+#[inline(always)]
+fn exp_row<const AVX2: bool>(x: &[f32], e: &mut [f32]) -> (f32, f32) {
+    let m = row_max::<AVX2>(x);
+    for (e, &x) in e.iter_mut().zip(x) {
+        *e = exp(x - m);
+    }
+    (m, row_sum::<AVX2>(e))
+}
+
+#[inline(always)]
+fn losses<const AVX2: bool>(
+    arena: Arena,
+    x: &Logits,
+    t: &[usize],
+    rows: &[usize],
+    out: &mut [f64],
+) {
+    let (mut e, mut scratch) = (vec![0.0f32; x.cols], vec![0.0f32; x.cols]);
+    for (&r, loss) in rows.iter().zip(out) {
+        // SAFETY: `forward`'s contract.
+        let row = unsafe { arena.row(x, r, &mut scratch) };
+        let (m, s) = exp_row::<AVX2>(row, &mut e);
+        *loss = ((m + s.ln()) - row[t[r]]) as f64;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn losses_avx2(arena: Arena, x: &Logits, t: &[usize], rows: &[usize], out: &mut [f64]) {
+    losses::<true>(arena, x, t, rows, out)
+}
+
+#[inline(always)]
+fn grads<const AVX2: bool>(
+    arena: Arena,
+    x: &Logits,
+    t: &[usize],
+    scale: f32,
+    out: usize,
+    rows: &[usize],
+) {
+    let mut scratch = vec![0.0f32; x.cols];
+    for &r in rows {
+        // SAFETY: `backward`'s contract: `out` is a contiguous `[N, C]` apart from the logits.
+        let (row, g) = unsafe {
+            (
+                arena.row(x, r, &mut scratch),
+                std::slice::from_raw_parts_mut(arena.0.add(out + r * x.cols), x.cols),
+            )
+        };
+        let (_, s) = exp_row::<AVX2>(row, g);
+        let target_p = g[t[r]] / s;
+        for p in g.iter_mut() {
+            *p = *p / s * scale;
+        }
+        g[t[r]] = (target_p - 1.0) * scale;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn grads_avx2(
+    arena: Arena,
+    x: &Logits,
+    t: &[usize],
+    scale: f32,
+    out: usize,
+    rows: &[usize],
+) {
+    grads::<true>(arena, x, t, scale, out, rows)
+}
+
+/// Rows `0..n` in blocks, one per task, for the pool.
+fn row_blocks(n: usize) -> Vec<Vec<usize>> {
+    let tasks = (Pool::global().width() * 4).min(n).max(1);
+    (0..tasks)
+        .map(|k| (n * k / tasks..n * (k + 1) / tasks).collect())
+        .collect()
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The mean cross-entropy of `x` against the checked targets `t`, written to `out` (one f32).
+///
+/// # Safety
+/// `base` is the arena; `x` and `out` lie in it.
+pub unsafe fn forward(base: *mut f32, x: Logits, t: &[usize], out: usize) {
+    let arena = Arena(base);
+    let blocks = row_blocks(x.rows);
+    let mut per_row = vec![0.0f64; x.rows];
+    let slots = Slots(per_row.as_mut_ptr());
+    let avx2 = has_avx2();
+    Pool::global().run(blocks.len(), &|k| {
+        let rows = &blocks[k];
+        let Some(&first) = rows.first() else { return };
+        // SAFETY: blocks are disjoint ranges of `per_row`, which outlives the job.
+        let out = unsafe { std::slice::from_raw_parts_mut(slots.at(first), rows.len()) };
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the feature is present; the logits are in the arena.
+            unsafe { losses_avx2(arena, &x, t, rows, out) };
+            return;
+        }
+        let _ = avx2;
+        losses::<false>(arena, &x, t, rows, out);
+    });
+    let total: f64 = per_row.iter().sum();
+    // SAFETY: `out` is in the arena.
+    unsafe { *base.add(out) = (total / x.rows as f64) as f32 };
+}
+
+/// The gradient of `forward` for an upstream gradient `g`, into contiguous `[N, C]` at `out`.
+///
+/// # Safety
+/// `base` is the arena; `x` and `out` lie in it, `out` apart from `x`.
+pub unsafe fn backward(base: *mut f32, x: Logits, t: &[usize], g: f32, out: usize) {
+    let arena = Arena(base);
+    let blocks = row_blocks(x.rows);
+    let scale = g / x.rows as f32;
+    let avx2 = has_avx2();
+    Pool::global().run(blocks.len(), &|k| {
+        let rows = &blocks[k];
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the feature is present; each task writes its own rows of `out`.
+            unsafe { grads_avx2(arena, &x, t, scale, out, rows) };
+            return;
+        }
+        let _ = avx2;
+        grads::<false>(arena, &x, t, scale, out, rows);
+    });
+}
