@@ -466,6 +466,72 @@ fn a_bad_cross_entropy_target_is_an_error() {
     );
 }
 
+/// AdamW as one host step over several parameters (in place, merged) and as separate steps
+/// (eager), sizes around the 64-element block: against the interpreter, and bit for bit
+/// between the two lowerings.
+#[test]
+fn adamw_in_place_over_several_parameters() {
+    let sizes = [70, 5, 128];
+    let mut src = String::from("graph g {\n  input %lr: f32[]\n  input %t: f32[]\n");
+    for (k, n) in sizes.iter().enumerate() {
+        for (kind, x) in [
+            ("param", "p"),
+            ("input", "g"),
+            ("state", "m"),
+            ("state", "v"),
+        ] {
+            src += &format!("  {kind} %{x}{k}: f32[{n}]\n");
+        }
+    }
+    for (k, n) in sizes.iter().enumerate() {
+        src += &format!(
+            "  %P{k}: f32[{n}], %M{k}: f32[{n}], %V{k}: f32[{n}] = adamw(%p{k}, %g{k}, %m{k}, \
+%v{k}, %lr, %t, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)\n"
+        );
+    }
+    for k in 0..sizes.len() {
+        for (out, x) in [("P", "p"), ("M", "m"), ("V", "v")] {
+            src += &format!("  output {out}{k} = %{out}{k} donates %{x}{k}\n");
+        }
+    }
+    src += "}";
+    let g = text::parse(&src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let inputs: Vec<HostTensor> = g
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(k, input)| {
+            let ty = g.ty(input.value).clone();
+            let name = &input.name;
+            HostTensor::from_fn(ty, |i| {
+                let x = ((i * 7919 + k * 104_729) % 1000) as f64 / 1000.0;
+                match name.chars().next() {
+                    Some('l') => 1e-3,
+                    Some('t') => 3.0,
+                    // Second moments are non-negative; the rest spread around zero.
+                    Some('v') => 0.01 * x,
+                    _ => 2.0 * x - 1.0,
+                }
+            })
+        })
+        .collect();
+    let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+    let fused = run_once(&g, Backend::Cpu, Mode::Fused, &inputs).unwrap();
+    let eager = run_once(&g, Backend::Cpu, Mode::Eager, &inputs).unwrap();
+    for (k, ((w, f), e)) in want.iter().zip(&fused).zip(&eager).enumerate() {
+        assert!(
+            rel_err(f, w) <= 1e-4,
+            "output {k} differs from the interpreter"
+        );
+        assert!(bitwise_equal(f, e), "output {k}: fused and eager differ");
+        assert!(
+            f.data.iter().all(|x| x.is_finite()),
+            "output {k} is not finite"
+        );
+    }
+}
+
 /// A whole train step on `tiny`: cpu follows the interpreter within 1e-4 for 5 AdamW steps.
 #[test]
 fn tiny_train_step_matches_the_interpreter_after_five_steps() {

@@ -305,6 +305,20 @@ pub enum Step {
         layout: RopeLayout,
         inverse: bool,
     },
+    /// AdamW (torch.optim.AdamW, in the decomposition's f32 op order) over one or more
+    /// parameters: per element `m' = m·b1 + g·(1 - b1)`, `v' = v·b2 + g²·(1 - b2)`,
+    /// `p' = p·(1 - lr·wd) - (lr / (1 - b1^t))·m' / (sqrt(v') / sqrt(1 - b2^t) + eps)`, with
+    /// `lr` and `step` (t) one-element values. Consecutive updates whose outputs all replace
+    /// their inputs in place are one step, run as one job over every parameter.
+    AdamW {
+        updates: Vec<AdamWUpdate>,
+        lr: ValueId,
+        step: ValueId,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
     /// Mean cross-entropy of `[N, C]` logits against `[N]` class indices, into the scalar `out`.
     CrossEntropy {
         out: ValueId,
@@ -334,11 +348,24 @@ pub enum Step {
     },
 }
 
+/// One parameter of an `AdamW` step: its inputs and the values replacing them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamWUpdate {
+    pub p: ValueId,
+    pub g: ValueId,
+    pub m: ValueId,
+    pub v: ValueId,
+    pub p_out: ValueId,
+    pub m_out: ValueId,
+    pub v_out: ValueId,
+}
+
 /// Composites a Program runs as one step instead of decomposing them: attention, whose
 /// decomposition materializes `[B, H, S, S]` scores and probabilities; rotary embedding, whose
 /// decomposition is two slices, two broadcasts, four products and a concat per call; and
 /// cross-entropy, whose decomposition makes five passes over the `[N, C]` logits and builds a
-/// one-hot of the same size.
+/// one-hot of the same size; and AdamW, whose decomposition is one kernel per output, each
+/// re-reading the gradient and moments.
 pub fn kept_composite(op: &Op) -> bool {
     matches!(
         op,
@@ -347,6 +374,7 @@ pub fn kept_composite(op: &Op) -> bool {
             | Op::Rope { .. }
             | Op::CrossEntropy
             | Op::CrossEntropyBackward
+            | Op::AdamW { .. }
     )
 }
 
@@ -366,6 +394,13 @@ impl Step {
             Step::Random { seed, .. } => vec![*seed],
             Step::Attention { q, k, v, .. } => vec![q.base, k.base, v.base],
             Step::Rope { x, .. } => vec![x.base],
+            Step::AdamW {
+                updates, lr, step, ..
+            } => updates
+                .iter()
+                .flat_map(|u| [u.p, u.g, u.m, u.v])
+                .chain([*lr, *step])
+                .collect(),
             Step::CrossEntropy {
                 logits, targets, ..
             } => vec![logits.base, targets.base],
@@ -397,6 +432,7 @@ impl Step {
             | Step::CrossEntropyBackward { out, .. } => *out,
             Step::Copy { dst, .. } => dst.base,
             Step::AttentionBackward { dq, .. } => *dq,
+            Step::AdamW { updates, .. } => updates[0].p_out,
         }
     }
 
@@ -404,6 +440,10 @@ impl Step {
     pub fn outputs(&self) -> Vec<ValueId> {
         match self {
             Step::AttentionBackward { dq, dk, dv, .. } => vec![*dq, *dk, *dv],
+            Step::AdamW { updates, .. } => updates
+                .iter()
+                .flat_map(|u| [u.p_out, u.m_out, u.v_out])
+                .collect(),
             _ => vec![self.writes()],
         }
     }
@@ -420,6 +460,7 @@ impl Step {
             Step::Random { .. } => "random",
             Step::Attention { .. } => "attention",
             Step::Rope { .. } => "rope",
+            Step::AdamW { .. } => "adamw",
             Step::CrossEntropy { .. } => "cross_entropy",
             Step::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Step::AttentionBackward { .. } => "attention_backward",
@@ -520,7 +561,7 @@ pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
     check_dtypes(&graph, &folded)?;
     let steps = match mode {
         Mode::Eager => eager_steps(&graph, &folded)?,
-        Mode::Fused => fused_steps(&graph, &folded)?,
+        Mode::Fused => merge_adamw(&graph, fused_steps(&graph, &folded)?),
     };
     // Constants are written at load and read by every run: live from the first slot to the last.
     let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
@@ -541,6 +582,55 @@ pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
         constants,
         step_regions,
     })
+}
+
+/// Consecutive AdamW steps with the same scalars and hyperparameters become one when every
+/// output replaces its input in place (a donated graph output): then no update writes bytes that
+/// another one reads, and all of them can run as one job over every parameter.
+fn merge_adamw(g: &Graph, steps: Vec<Step>) -> Vec<Step> {
+    let donated: std::collections::HashMap<ValueId, ValueId> = g
+        .outputs
+        .iter()
+        .filter_map(|o| o.donates.map(|d| (o.value, d)))
+        .collect();
+    let in_place = |u: &AdamWUpdate| {
+        [(u.p_out, u.p), (u.m_out, u.m), (u.v_out, u.v)]
+            .iter()
+            .all(|(out, input)| donated.get(out) == Some(input))
+    };
+    let mut merged: Vec<Step> = Vec::with_capacity(steps.len());
+    for s in steps {
+        if let (
+            Some(Step::AdamW {
+                updates,
+                lr,
+                step,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }),
+            Step::AdamW {
+                updates: next,
+                lr: lr2,
+                step: step2,
+                beta1: beta1_2,
+                beta2: beta2_2,
+                eps: eps2,
+                weight_decay: wd2,
+            },
+        ) = (merged.last_mut(), &s)
+        {
+            let same = (*lr, *step) == (*lr2, *step2)
+                && [*beta1, *beta2, *eps, *weight_decay] == [*beta1_2, *beta2_2, *eps2, *wd2];
+            if same && updates.iter().all(in_place) && next.iter().all(in_place) {
+                updates.extend(next.iter().cloned());
+                continue;
+            }
+        }
+        merged.push(s);
+    }
+    merged
 }
 
 /// Marks the nodes computable without any graph input (random draws excluded: their seed is an
@@ -920,6 +1010,28 @@ fn structural_steps(
             theta: *theta,
             layout: *layout,
             inverse: *inverse,
+        },
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => Step::AdamW {
+            updates: vec![AdamWUpdate {
+                p: n.inputs[0],
+                g: n.inputs[1],
+                m: n.inputs[2],
+                v: n.inputs[3],
+                p_out: n.outputs[0],
+                m_out: n.outputs[1],
+                v_out: n.outputs[2],
+            }],
+            lr: n.inputs[4],
+            step: n.inputs[5],
+            beta1: *beta1,
+            beta2: *beta2,
+            eps: *eps,
+            weight_decay: *weight_decay,
         },
         Op::CrossEntropy => Step::CrossEntropy {
             out,
@@ -1429,6 +1541,57 @@ mod tests {
         let folded: Vec<usize> = p.constants.iter().map(|(_, t)| t.data.len()).collect();
         assert_eq!(folded, vec![256], "only the [16, 16] mask is folded");
         assert_eq!(p.steps.len(), 1, "one map: {:?}", p.steps);
+    }
+
+    /// AdamW updates whose outputs replace their inputs in place are one step in fused mode;
+    /// one that writes new values (here: the third, not donated) stays its own step. Numerics:
+    /// tests/backend_cpu.rs (a whole train step against the interpreter and the eager lowering).
+    #[test]
+    fn in_place_adamw_updates_merge_into_one_step() {
+        let mut src = String::from("graph g {\n  input %lr: f32[]\n  input %t: f32[]\n");
+        for k in 0..3 {
+            for (kind, x) in [
+                ("param", "p"),
+                ("input", "g"),
+                ("state", "m"),
+                ("state", "v"),
+            ] {
+                src += &format!("  {kind} %{x}{k}: f32[5]\n");
+            }
+        }
+        for k in 0..3 {
+            src += &format!(
+                "  %P{k}: f32[5], %M{k}: f32[5], %V{k}: f32[5] = adamw(%p{k}, %g{k}, %m{k}, %v{k}, \
+%lr, %t, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)\n"
+            );
+        }
+        for k in 0..3 {
+            let donates = |x: &str| {
+                if k < 2 {
+                    format!(" donates %{x}{k}")
+                } else {
+                    String::new()
+                }
+            };
+            for (out, x) in [("P", "p"), ("M", "m"), ("V", "v")] {
+                src += &format!("  output {out}{k} = %{out}{k}{}\n", donates(x));
+            }
+        }
+        src += "}";
+        let g = graphtrain_ir::text::parse(&src).unwrap();
+        graphtrain_ir::verify::verify(&g).unwrap();
+        let sizes = |mode| {
+            let p = lower(&g, mode).unwrap();
+            p.steps
+                .iter()
+                .map(|s| match s {
+                    Step::AdamW { updates, .. } => updates.len(),
+                    other => panic!("unexpected step {other:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(sizes(Mode::Fused), vec![2, 1]);
+        assert_eq!(sizes(Mode::Eager), vec![1, 1, 1]);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! server. Any step that runs here first waits for that queue (`sync`, free when nothing is
 //! queued), so every step sees its predecessors' writes.
 
+use crate::adamw;
 use crate::attention;
 use crate::cross_entropy;
 use crate::gemm::{self, Layout};
@@ -615,6 +616,35 @@ memory is available to the cpu backend",
                 // SAFETY: the views and the output lie in the arena, the output apart from them
                 // (the planner never places an output over a live operand).
                 unsafe { attention::forward(self.base, d, q, k, v, out) };
+            }
+            Step::AdamW {
+                updates,
+                lr,
+                step,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let (lr, t) = (self.off(*lr), self.off(*step));
+                let (lr, t) = (self.arena_mut()[lr], self.arena_mut()[t]);
+                let scalars = adamw::Scalars::new(lr, t, *beta1, *beta2, *eps, *weight_decay);
+                let updates: Vec<adamw::Update> = updates
+                    .iter()
+                    .map(|u| adamw::Update {
+                        p: self.off(u.p),
+                        g: self.off(u.g),
+                        m: self.off(u.m),
+                        v: self.off(u.v),
+                        p_out: self.off(u.p_out),
+                        m_out: self.off(u.m_out),
+                        v_out: self.off(u.v_out),
+                        len: self.numel(u.p),
+                    })
+                    .collect();
+                // SAFETY: every value lies in the arena; an output is either its own input
+                // (donated, updated in place) or apart from every operand (the planner).
+                unsafe { adamw::step(self.base, &updates, scalars) };
             }
             Step::CrossEntropy {
                 out,

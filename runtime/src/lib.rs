@@ -10,6 +10,7 @@
 //! Invariant: an executor never changes a Program's numerics: the same Program on the same
 //! backend gives bitwise identical results every run (no autotuning, fixed summation orders).
 
+pub mod adamw;
 pub mod attention;
 pub mod cpu;
 pub mod cross_entropy;
