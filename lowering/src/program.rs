@@ -285,10 +285,12 @@ pub enum Step {
         normal: bool,
     },
     /// `out = softmax(q kᵀ · scale, causal mask) v` per batch and query head, for rank-4
-    /// `[B, H, S, D]` views (`k`, `v` with `Hkv` heads, shared by `H / Hkv` query heads); `out`
-    /// is contiguous `[B, H, S, D]`. The `[S, S]` probabilities never reach the arena.
+    /// `[B, H, S, D]` views (`k`, `v` with `Hkv` heads, shared by `H / Hkv` query heads). `out`
+    /// is a `[B, H, S, D]` view with contiguous heads' rows (`strides[3] == 1`): contiguous, or
+    /// the transposed view of the `[B, S, H, D]` value that is its only reader. The `[S, S]`
+    /// probabilities never reach the arena.
     Attention {
-        out: ValueId,
+        out: View,
         q: View,
         k: View,
         v: View,
@@ -334,11 +336,11 @@ pub enum Step {
         grad: ValueId,
     },
     /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
-    /// contiguous; the probabilities are recomputed per head.
+    /// views laid out as `Attention`'s `out`; the probabilities are recomputed per head.
     AttentionBackward {
-        dq: ValueId,
-        dk: ValueId,
-        dv: ValueId,
+        dq: View,
+        dk: View,
+        dv: View,
         q: View,
         k: View,
         v: View,
@@ -426,12 +428,12 @@ impl Step {
             | Step::ScatterAdd { out, .. }
             | Step::Iota { out, .. }
             | Step::Random { out, .. }
-            | Step::Attention { out, .. }
             | Step::Rope { out, .. }
             | Step::CrossEntropy { out, .. }
             | Step::CrossEntropyBackward { out, .. } => *out,
             Step::Copy { dst, .. } => dst.base,
-            Step::AttentionBackward { dq, .. } => *dq,
+            Step::Attention { out, .. } => out.base,
+            Step::AttentionBackward { dq, .. } => dq.base,
             Step::AdamW { updates, .. } => updates[0].p_out,
         }
     }
@@ -439,7 +441,7 @@ impl Step {
     /// Every value this step writes.
     pub fn outputs(&self) -> Vec<ValueId> {
         match self {
-            Step::AttentionBackward { dq, dk, dv, .. } => vec![*dq, *dk, *dv],
+            Step::AttentionBackward { dq, dk, dv, .. } => vec![dq.base, dk.base, dv.base],
             Step::AdamW { updates, .. } => updates
                 .iter()
                 .flat_map(|u| [u.p_out, u.m_out, u.v_out])
@@ -993,7 +995,7 @@ fn structural_steps(
             dim: shape[*axis],
         },
         Op::Attention { causal, scale } => Step::Attention {
-            out,
+            out: whole_out,
             q: view_of(n.inputs[0]),
             k: view_of(n.inputs[1]),
             v: view_of(n.inputs[2]),
@@ -1045,9 +1047,9 @@ fn structural_steps(
             grad: n.inputs[2],
         },
         Op::AttentionBackward { causal, scale } => Step::AttentionBackward {
-            dq: n.outputs[0],
-            dk: n.outputs[1],
-            dv: n.outputs[2],
+            dq: View::contiguous(n.outputs[0], &g.ty(n.outputs[0]).shape),
+            dk: View::contiguous(n.outputs[1], &g.ty(n.outputs[1]).shape),
+            dv: View::contiguous(n.outputs[2], &g.ty(n.outputs[2]).shape),
             q: view_of(n.inputs[0]),
             k: view_of(n.inputs[1]),
             v: view_of(n.inputs[2]),
@@ -1477,7 +1479,30 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                 }
             }
         }
-        steps.extend(structural_steps(g, k, &|v| view_of(&view, v))?);
+        let mut structural = structural_steps(g, k, &|v| view_of(&view, v))?;
+        // An attention output read only through `transpose(0, 2, 1, 3)` (back to `[B, S, H, D]`
+        // for the next matmul) is written there directly: the kernel addresses its output
+        // through a view, so the transpose costs no copy.
+        for s in &mut structural {
+            let outs: Vec<&mut View> = match s {
+                Step::Attention { out, .. } => vec![out],
+                Step::AttentionBackward { dq, dk, dv, .. } => vec![dq, dk, dv],
+                _ => vec![],
+            };
+            for o in outs {
+                let cons = &consumers[o.base.index()];
+                let [t] = cons.as_slice() else { continue };
+                let swaps_heads =
+                    matches!(&g.nodes[*t].op, Op::Transpose { perm } if perm == &[0, 2, 1, 3]);
+                if swaps_heads && !is_output[o.base.index()] && !folded[*t] && !done[*t] {
+                    let t_out = g.nodes[*t].outputs[0];
+                    *o =
+                        transpose_view(&View::contiguous(t_out, &g.ty(t_out).shape), &[0, 2, 1, 3]);
+                    done[*t] = true;
+                }
+            }
+        }
+        steps.extend(structural);
     }
     Ok(steps)
 }

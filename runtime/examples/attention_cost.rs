@@ -26,9 +26,9 @@ fn main() {
         strides: [h * s * d, s * d, d, 1],
     };
     let grads = Grads {
-        dq: 5 * n,
-        dk: 6 * n,
-        dv: 7 * n,
+        dq: heads(5),
+        dk: heads(6),
+        dv: heads(7),
     };
     // Causal products: q kᵀ and p v over the lower triangle, forward; five of them backward.
     let tri = (s * (s + 1) / 2) as f64;
@@ -37,7 +37,7 @@ fn main() {
     for (name, flops) in [("forward", fwd_flops), ("backward", 2.5 * fwd_flops)] {
         let run = || unsafe {
             if name == "forward" {
-                forward(base, dims, heads(0), heads(1), heads(2), 4 * n)
+                forward(base, dims, heads(0), heads(1), heads(2), heads(4))
             } else {
                 backward(base, dims, heads(0), heads(1), heads(2), heads(3), grads)
             }

@@ -223,20 +223,52 @@ fn transposed(n: usize) -> Layout {
     }
 }
 
-/// `out[b, h] = attention(q, k, v)`, `out` contiguous `[B, H, S, D]` at element offset `out`.
+impl Heads {
+    /// Element offset of row `r` of head `(b, h)`.
+    fn row(&self, b: usize, h: usize, r: usize) -> usize {
+        self.offset + b * self.strides[0] + h * self.strides[1] + r * self.strides[2]
+    }
+
+    /// Writes `rows` (contiguous, `head_dim` wide) as rows `r0..` of head `(b, h)`.
+    ///
+    /// # Safety
+    /// The head lies in the arena and no other task writes it.
+    unsafe fn write_rows(
+        &self,
+        arena: Arena,
+        (b, h): (usize, usize),
+        r0: usize,
+        rows: &[f32],
+        head_dim: usize,
+    ) {
+        for (i, row) in rows.chunks_exact(head_dim).enumerate() {
+            // SAFETY: the caller's contract; rows are contiguous (`strides[3] == 1`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    row.as_ptr(),
+                    arena.0.add(self.row(b, h, r0 + i)),
+                    head_dim,
+                )
+            };
+        }
+    }
+}
+
+/// `out[b, h] = attention(q, k, v)`. `out` is a `[B, H, S, D]` view with contiguous rows
+/// (`strides[3] == 1`): contiguous, or the `[B, S, H, D]` value the next matmul reads.
 ///
 /// # Safety
 /// `base` is the arena; the views and `out` lie inside it, `out` overlapping none of them.
-pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out: usize) {
+pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out: Heads) {
     let arena = Arena(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
     Pool::global().run(d.batch * d.kv_heads, &|task| {
         let (b, g) = (task / d.kv_heads, task % d.kv_heads);
         let mut p = vec![0.0f32; FORWARD_ROWS.min(s) * s];
+        let mut o = vec![0.0f32; FORWARD_ROWS.min(s) * hd];
         let (vo, vl) = v.at(b, g);
         for h in g * group..(g + 1) * group {
-            let o = out + (b * d.heads + h) * s * hd;
             for (r0, r1, n) in blocks(&d, FORWARD_ROWS) {
                 // SAFETY: the caller's contract; each task writes only its own heads of `out`.
                 unsafe {
@@ -249,20 +281,21 @@ pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out
                         row_major(n),
                         arena.0.add(vo),
                         vl,
-                        arena.0.add(o + r0 * hd),
+                        o.as_mut_ptr(),
                     );
+                    out.write_rows(arena, (b, h), r0, &o[..(r1 - r0) * hd], hd);
                 }
             }
         }
     });
 }
 
-/// Contiguous outputs of the backward step, as element offsets.
+/// Outputs of the backward step, laid out as `forward`'s `out`.
 #[derive(Clone, Copy, Debug)]
 pub struct Grads {
-    pub dq: usize,
-    pub dk: usize,
-    pub dv: usize,
+    pub dq: Heads,
+    pub dk: Heads,
+    pub dv: Heads,
 }
 
 /// The gradients of `forward` for `dout` into `grads`. Per query head and row block: the
@@ -296,7 +329,6 @@ pub unsafe fn backward(
         for h in g * group..(g + 1) * group {
             let (doo, dol) = dout.at(b, h);
             let (qo, ql) = q.at(b, h);
-            let dq = grads.dq + (b * d.heads + h) * s * hd;
             for (r0, r1, n) in blocks(&d, BACKWARD_ROWS) {
                 let rows = r1 - r0;
                 let (dob, qb) = (doo + r0 * dol.row_stride, qo + r0 * ql.row_stride);
@@ -332,7 +364,6 @@ pub unsafe fn backward(
                     );
                     softmax_grad(p, ds, n);
                     // dq[r0..r1] = (ds k[..n]) * scale
-                    let dqb = arena.0.add(dq + r0 * hd);
                     mm(
                         rows,
                         hd,
@@ -341,11 +372,11 @@ pub unsafe fn backward(
                         row_major(n),
                         arena.0.add(ko),
                         kl,
-                        dqb,
+                        part.as_mut_ptr(),
                     );
-                    std::slice::from_raw_parts_mut(dqb, rows * hd)
-                        .iter_mut()
-                        .for_each(|x| *x *= d.scale);
+                    let dq = &mut part[..rows * hd];
+                    dq.iter_mut().for_each(|x| *x *= d.scale);
+                    grads.dq.write_rows(arena, (b, h), r0, dq, hd);
                     // dk[..n] += (dsᵀ q[r0..r1]) * scale
                     mm(
                         n,
@@ -363,11 +394,10 @@ pub unsafe fn backward(
                 }
             }
         }
-        let at = (b * d.kv_heads + g) * s * hd;
-        // SAFETY: this task's kv head of the contiguous outputs.
+        // SAFETY: this task's kv head of the outputs.
         unsafe {
-            std::ptr::copy_nonoverlapping(dk.as_ptr(), arena.0.add(grads.dk + at), s * hd);
-            std::ptr::copy_nonoverlapping(dv.as_ptr(), arena.0.add(grads.dv + at), s * hd);
+            grads.dk.write_rows(arena, (b, g), 0, &dk, hd);
+            grads.dv.write_rows(arena, (b, g), 0, &dv, hd);
         }
     });
 }

@@ -154,6 +154,18 @@ memory is available to the cpu backend",
         }
     }
 
+    /// An attention output view: rank 4 with contiguous rows, as the lowering makes them.
+    fn output_heads(&self, v: &View) -> Result<attention::Heads, RuntimeError> {
+        if v.strides.len() != 4 || v.strides[3] != 1 {
+            return Err(RuntimeError::Backend(format!(
+                "an attention output must be a [B, H, S, D] view with contiguous rows, got \
+shape {:?} strides {:?}",
+                v.shape, v.strides
+            )));
+        }
+        Ok(self.heads(v))
+    }
+
     /// The logits of a cross-entropy step and its checked targets.
     fn cross_entropy_operands(
         &self,
@@ -612,7 +624,7 @@ memory is available to the cpu backend",
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
-                let out = self.off(*out);
+                let out = self.output_heads(out)?;
                 // SAFETY: the views and the output lie in the arena, the output apart from them
                 // (the planner never places an output over a live operand).
                 unsafe { attention::forward(self.base, d, q, k, v, out) };
@@ -680,9 +692,9 @@ memory is available to the cpu backend",
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let grads = attention::Grads {
-                    dq: self.off(*dq),
-                    dk: self.off(*dk),
-                    dv: self.off(*dv),
+                    dq: self.output_heads(dq)?,
+                    dk: self.output_heads(dk)?,
+                    dv: self.output_heads(dv)?,
                 };
                 let (q, k, v, dout) = (
                     self.heads(q),
