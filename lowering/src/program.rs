@@ -1619,6 +1619,38 @@ mod tests {
         assert_eq!(sizes(Mode::Eager), vec![1, 1, 1]);
     }
 
+    /// Attention's output read only through `transpose(0, 2, 1, 3)` is written in the
+    /// transposed layout: no copy step, and the step writes the transpose's value. Numerics:
+    /// tests/backend_cpu.rs (composites, the `tiny` train step, fused against eager).
+    #[test]
+    fn attention_writes_its_transposed_reader_directly() {
+        let g = graphtrain_ir::text::parse(
+            "graph g {
+  input %q: f32[2,3,5,4]
+  input %w: f32[12,6]
+  %1: f32[2,3,5,4] = attention(%q, %q, %q, causal=true, scale=0.5)
+  %2: f32[2,5,3,4] = transpose(%1, perm=[0,2,1,3])
+  %3: f32[10,12] = reshape(%2, shape=[10,12])
+  %4: f32[10,6] = matmul(%3, %w)
+  output o = %4
+}",
+        )
+        .unwrap();
+        let p = lower(&g, Mode::Fused).unwrap();
+        assert!(
+            !p.steps.iter().any(|s| matches!(s, Step::Copy { .. })),
+            "{:?}",
+            p.steps
+        );
+        let Step::Attention { out, .. } = &p.steps[0] else {
+            panic!("{:?}", p.steps)
+        };
+        assert_eq!(
+            (out.base, out.strides.as_slice()),
+            (ValueId(3), &[60, 4, 12, 1][..])
+        );
+    }
+
     #[test]
     fn collapse_merges_contiguous_runs_only() {
         let c = collapse(&[2, 3, 4], &[&[12, 4, 1]]);
