@@ -12,7 +12,11 @@
 //! `p' = p·(lr·(-wd) + 1) - ((lr / bc1)·m') / (sqrt(v') / sqrt(bc2) + eps)`.
 //! Each element is independent, so the split never changes a bit.
 
-use crate::pool::Pool;
+use crate::pool::{Pool, TaskPtr};
+
+/// The arena, shared by the tasks: every element is read and written at its own index by
+/// exactly one task.
+type Arena = TaskPtr<f32>;
 
 /// One parameter's element offsets in the arena: inputs, then the outputs replacing them.
 #[derive(Clone, Copy, Debug)]
@@ -63,26 +67,13 @@ impl Scalars {
 /// get several tasks from a 500K-element parameter.
 const CHUNK: usize = 1 << 15;
 
-#[derive(Clone, Copy)]
-struct Arena(*mut f32);
-// SAFETY: every element is read and written at its own index by exactly one task.
-unsafe impl Sync for Arena {}
-unsafe impl Send for Arena {}
-
-impl Arena {
-    /// Element `i` (a method, so closures capture the whole `Sync` wrapper, not its pointer).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// Applies every update.
 ///
 /// # Safety
 /// `base` is the arena and every range of `updates` lies in it. An output may be exactly its
 /// own input (in place); otherwise no output overlaps any input or other output.
 pub unsafe fn step(base: *mut f32, updates: &[Update], s: Scalars) {
-    let arena = Arena(base);
+    let arena = TaskPtr(base);
     // (update, first element) of every chunk.
     let chunks: Vec<(usize, usize)> = updates
         .iter()

@@ -18,7 +18,7 @@
 //! `dk = (dsᵀ q) * scale`.
 
 use crate::gemm::{self, Layout};
-use crate::pool::Pool;
+use crate::pool::{Pool, TaskPtr};
 use crate::rows::{exp, row_dot, row_max, row_sum};
 
 /// A rank-4 `[B, H, S, D]` operand: element offset of `[0, 0, 0, 0]` in the arena and strides.
@@ -67,12 +67,8 @@ pub struct Dims {
     pub scale: f32,
 }
 
-/// The arena's base pointer, shared by the tasks (each writes its own heads only).
-#[derive(Clone, Copy)]
-struct Arena(*mut f32);
-// SAFETY: tasks write disjoint output regions and only read shared inputs.
-unsafe impl Sync for Arena {}
-unsafe impl Send for Arena {}
+/// The arena, shared by the tasks (each writes its own heads only).
+type Arena = TaskPtr<f32>;
 
 fn row_major(cols: usize) -> Layout {
     Layout {
@@ -260,7 +256,7 @@ impl Heads {
 /// # Safety
 /// `base` is the arena; the views and `out` lie inside it, `out` overlapping none of them.
 pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out: Heads) {
-    let arena = Arena(base);
+    let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
     Pool::global().run(d.batch * d.kv_heads, &|task| {
@@ -314,7 +310,7 @@ pub unsafe fn backward(
     dout: Heads,
     grads: Grads,
 ) {
-    let arena = Arena(base);
+    let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
     Pool::global().run(d.batch * d.kv_heads, &|task| {

@@ -11,7 +11,7 @@
 //! so the bits depend neither on the thread count nor on the split. Gradient:
 //! `(exp(x_j - m) / s - [j == t]) · (g / N)`.
 
-use crate::pool::Pool;
+use crate::pool::{Pool, TaskPtr};
 use crate::rows::{exp, row_max, row_sum};
 
 /// `[N, C]` logits in the arena: element `(r, j)` at `offset + r·row_stride + j·col_stride`.
@@ -24,44 +24,24 @@ pub struct Logits {
     pub col_stride: usize,
 }
 
-/// The arena's base pointer, shared by the tasks (each writes its own rows only).
-#[derive(Clone, Copy)]
-struct Arena(*mut f32);
-// SAFETY: tasks write disjoint rows and only read shared inputs.
-unsafe impl Sync for Arena {}
-unsafe impl Send for Arena {}
+/// The arena, shared by the tasks (each writes its own rows only).
+type Arena = TaskPtr<f32>;
 
-/// The per-row losses, written by the tasks at disjoint rows.
-#[derive(Clone, Copy)]
-struct Slots(*mut f64);
-// SAFETY: as for `Arena`.
-unsafe impl Sync for Slots {}
-unsafe impl Send for Slots {}
-
-impl Slots {
-    /// Slot `i` (a method, so closures capture the whole `Sync` wrapper, not its pointer).
-    fn at(self, i: usize) -> *mut f64 {
-        self.0.wrapping_add(i)
+/// Row `r` of `x`, copied into `scratch` when its elements are not contiguous.
+///
+/// # Safety
+/// `x` lies in the arena.
+unsafe fn row<'a>(arena: Arena, x: &Logits, r: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+    let start = arena.at(x.offset + r * x.row_stride);
+    if x.col_stride == 1 {
+        // SAFETY: the caller's contract.
+        return unsafe { std::slice::from_raw_parts(start, x.cols) };
     }
-}
-
-impl Arena {
-    /// Row `r` of `x`, copied into `scratch` when its elements are not contiguous.
-    ///
-    /// # Safety
-    /// `x` lies in the arena.
-    unsafe fn row<'a>(self, x: &Logits, r: usize, scratch: &'a mut [f32]) -> &'a [f32] {
-        let start = self.0.wrapping_add(x.offset + r * x.row_stride);
-        if x.col_stride == 1 {
-            // SAFETY: the caller's contract.
-            return unsafe { std::slice::from_raw_parts(start, x.cols) };
-        }
-        for (j, s) in scratch.iter_mut().enumerate() {
-            // SAFETY: the caller's contract.
-            *s = unsafe { *start.add(j * x.col_stride) };
-        }
-        scratch
+    for (j, s) in scratch.iter_mut().enumerate() {
+        // SAFETY: the caller's contract.
+        *s = unsafe { *start.add(j * x.col_stride) };
     }
+    scratch
 }
 
 /// Checks every target against the number of classes; returns them as indices.
@@ -111,7 +91,7 @@ fn losses<const AVX2: bool>(
     let (mut e, mut scratch) = (vec![0.0f32; x.cols], vec![0.0f32; x.cols]);
     for (&r, loss) in rows.iter().zip(out) {
         // SAFETY: `forward`'s contract.
-        let row = unsafe { arena.row(x, r, &mut scratch) };
+        let row = unsafe { row(arena, x, r, &mut scratch) };
         let (m, s) = exp_row::<AVX2>(row, &mut e);
         *loss = ((m + s.ln()) - row[t[r]]) as f64;
     }
@@ -137,7 +117,7 @@ fn grads<const AVX2: bool>(
         // SAFETY: `backward`'s contract: `out` is a contiguous `[N, C]` apart from the logits.
         let (row, g) = unsafe {
             (
-                arena.row(x, r, &mut scratch),
+                row(arena, x, r, &mut scratch),
                 std::slice::from_raw_parts_mut(arena.0.add(out + r * x.cols), x.cols),
             )
         };
@@ -187,10 +167,10 @@ fn has_avx2() -> bool {
 /// # Safety
 /// `base` is the arena; `x` and `out` lie in it.
 pub unsafe fn forward(base: *mut f32, x: Logits, t: &[usize], out: usize) {
-    let arena = Arena(base);
+    let arena = TaskPtr(base);
     let blocks = row_blocks(x.rows);
     let mut per_row = vec![0.0f64; x.rows];
-    let slots = Slots(per_row.as_mut_ptr());
+    let slots = TaskPtr(per_row.as_mut_ptr());
     let avx2 = has_avx2();
     Pool::global().run(blocks.len(), &|k| {
         let rows = &blocks[k];
@@ -216,7 +196,7 @@ pub unsafe fn forward(base: *mut f32, x: Logits, t: &[usize], out: usize) {
 /// # Safety
 /// `base` is the arena; `x` and `out` lie in it, `out` apart from `x`.
 pub unsafe fn backward(base: *mut f32, x: Logits, t: &[usize], g: f32, out: usize) {
-    let arena = Arena(base);
+    let arena = TaskPtr(base);
     let blocks = row_blocks(x.rows);
     let scale = g / x.rows as f32;
     let avx2 = has_avx2();

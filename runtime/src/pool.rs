@@ -52,6 +52,22 @@ pub struct Pool {
     caller: Mutex<()>,
 }
 
+/// A pointer the tasks of one `run` share, for buffers each task writes at its own elements
+/// only; whoever hands one out states which elements each task may write.
+#[derive(Clone, Copy)]
+pub struct TaskPtr<T>(pub *mut T);
+// SAFETY: a `TaskPtr` only carries the address; the disjointness of the tasks' writes is the
+// contract of the code that creates it (every creator says why in a SAFETY comment).
+unsafe impl<T> Sync for TaskPtr<T> {}
+unsafe impl<T> Send for TaskPtr<T> {}
+
+impl<T> TaskPtr<T> {
+    /// Element `i` (a method, so closures capture the whole wrapper, not its raw pointer).
+    pub fn at(self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
+    }
+}
+
 fn unpack(s: u64) -> (u64, usize, usize) {
     (
         s >> 32,

@@ -6,7 +6,7 @@
 //! `sin` cast to f32), and each output is `x1·cos - x2·sin` or `x1·sin + x2·cos` in f32, two
 //! roundings for the products and one for the sum, as the decomposed kernels do.
 
-use crate::pool::Pool;
+use crate::pool::{Pool, TaskPtr};
 use graphtrain_ir::RopeLayout;
 
 /// The `[S, D/2]` cos and sin tables.
@@ -43,19 +43,6 @@ pub struct Input {
     pub strides: [usize; 4],
 }
 
-#[derive(Clone, Copy)]
-struct Arena(*mut f32);
-// SAFETY: tasks write disjoint rows of the output and only read the input.
-unsafe impl Sync for Arena {}
-unsafe impl Send for Arena {}
-
-impl Arena {
-    /// Element `i` (a method, so closures capture the whole `Sync` wrapper, not its pointer).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// One head of the `Half` layout with contiguous elements: the same products and sums as the
 /// general loop, over slices, so they vectorize (the element-by-element loop ran at 4 ns per
 /// element).
@@ -75,7 +62,8 @@ fn rotate_halves(x: &[f32], out: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// # Safety
 /// `base` is the arena; `x` and `out` lie inside it and do not overlap.
 pub unsafe fn apply(base: *mut f32, x: Input, out: usize, layout: RopeLayout, t: &Tables) {
-    let arena = Arena(base);
+    // Tasks write disjoint rows of the output and only read the input.
+    let arena = TaskPtr(base);
     let [b, s, h, d] = x.shape;
     let half = d / 2;
     let rows = b * s;
