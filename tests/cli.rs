@@ -80,7 +80,7 @@ fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
     );
     let o = limited(&["run", "--config", "tiny", "--steps", "1"]);
     assert!(o.status.success(), "tiny fits in 200 MiB: {}", stderr(&o));
-    // peer: 106 MiB of host copies fit, its 347 MiB arena does not.
+    // peer: its host copies fit, its 251 MiB arena does not.
     let o = limited(&["run", "--config", "peer", "--steps", "1"]);
     assert_clean_error(
         &o,
