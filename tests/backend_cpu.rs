@@ -135,6 +135,27 @@ fn products_feeding_sums_stay_bitwise() {
     );
 }
 
+/// A value read twice on the way to one product (SiLU's gradient), computed inside the final
+/// kernel in fused mode and materialized in eager mode: the same bits.
+#[test]
+fn converging_readers() {
+    check(
+        "converging readers",
+        "graph g {
+  input %x: f32[37]
+  input %d: f32[37]
+  %1: f32[37] = sigmoid(%x)
+  %2: f32[37] = neg(%1)
+  %3: f32[37] = add_scalar(%2, value=1.0)
+  %4: f32[37] = mul(%x, %3)
+  %5: f32[37] = add_scalar(%4, value=1.0)
+  %6: f32[37] = mul(%1, %5)
+  %7: f32[37] = mul(%d, %6)
+  output a = %7
+}",
+    );
+}
+
 #[test]
 fn compare_select_and_casts() {
     check(

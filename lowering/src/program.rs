@@ -1218,6 +1218,10 @@ const MAX_EXPR_NODES: usize = 48;
 /// Fused: layout ops become views where every consumer can read strided, elementwise chains
 /// become one `Map` each; the rest as in eager.
 #[allow(clippy::needless_range_loop)] // `k` names the node in errors and in `structural_steps`
+/// How many single-use elementwise nodes `fused_steps` follows from a value's first reader to
+/// find its second one.
+const CONVERGE_HOPS: usize = 6;
+
 fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
     let nv = g.values.len();
     let mut consumers: Vec<Vec<usize>> = vec![Vec::new(); nv];
@@ -1270,10 +1274,29 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         let out_ty = g.ty(out);
         let out_len = out_ty.numel();
         let cons = &consumers[out.index()];
+        let same_size_elementwise = |c: usize| {
+            elementwise_expr(g, c).is_some() && g.ty(g.nodes[c].outputs[0]).numel() == out_len
+        };
+        // Two readers whose single-use elementwise chains meet again (SiLU's gradient reads
+        // `sigmoid(x)` twice on the way to one product): inlined into both, the value is
+        // computed inside the kernel that ends both chains instead of being written and read.
+        let readers_converge =
+            cons.len() == 2 && cons.iter().all(|&c| same_size_elementwise(c)) && {
+                let (first, second) = (cons[0].min(cons[1]), cons[0].max(cons[1]));
+                let mut at = first;
+                (0..CONVERGE_HOPS).any(|_| {
+                    let o = g.nodes[at].outputs[0];
+                    match consumers[o.index()].as_slice() {
+                        [next] if !is_output[o.index()] && same_size_elementwise(*next) => {
+                            at = *next;
+                            at == second
+                        }
+                        _ => false,
+                    }
+                })
+            };
         let single_elementwise_consumer = !is_output[out.index()]
-            && cons.len() == 1
-            && elementwise_expr(g, cons[0]).is_some()
-            && g.ty(g.nodes[cons[0]].outputs[0]).numel() == out_len;
+            && ((cons.len() == 1 && same_size_elementwise(cons[0])) || readers_converge);
 
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
@@ -1649,6 +1672,32 @@ mod tests {
             (out.base, out.strides.as_slice()),
             (ValueId(3), &[60, 4, 12, 1][..])
         );
+    }
+
+    /// A value whose two readers' chains meet in one node (SiLU's gradient) is computed inside
+    /// that node's kernel: one map, no `sigmoid` step. A value with two readers that stay apart
+    /// is materialized once. Numerics: tests/backend_cpu.rs (`converging_readers`).
+    #[test]
+    fn a_value_read_twice_on_the_way_to_one_node_is_inlined() {
+        let g = graphtrain_ir::text::parse(
+            "graph g {
+  input %x: f32[7]
+  %1: f32[7] = sigmoid(%x)
+  %2: f32[7] = neg(%1)
+  %3: f32[7] = add_scalar(%2, value=1.0)
+  %4: f32[7] = mul(%1, %3)
+  %5: f32[7] = exp(%x)
+  %6: f32[7] = neg(%5)
+  %7: f32[7] = sqrt(%5)
+  output a = %4
+  output b = %6
+  output c = %7
+}",
+        )
+        .unwrap();
+        let p = lower(&g, Mode::Fused).unwrap();
+        let outs: Vec<u32> = p.steps.iter().map(|s| s.writes().0).collect();
+        assert_eq!(outs, vec![4, 5, 6, 7], "{:?}", p.steps);
     }
 
     #[test]
