@@ -373,7 +373,9 @@ pub struct BenchArgs {
     /// Compare with a second pipeline (same syntax as --passes): both steps are built, warmed
     /// up, then run in alternating pairs for --steps pairs, and the report gives each median and
     /// the median ratio of paired steps (candidate / --passes). Use it to compare pipelines on a
-    /// machine whose speed drifts: adjacent steps see the same machine.
+    /// machine whose speed drifts: adjacent steps see the same machine. Both programs are held
+    /// at once; --disable-pass and --dump-dir apply to the --passes pipeline only, and --json
+    /// writes the paired summary.
     #[arg(long)]
     pub against: Option<String>,
 }
