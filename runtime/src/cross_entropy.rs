@@ -91,9 +91,9 @@ fn losses<const AVX2: bool>(
     let (mut e, mut scratch) = (vec![0.0f32; x.cols], vec![0.0f32; x.cols]);
     for (&r, loss) in rows.iter().zip(out) {
         // SAFETY: `forward`'s contract.
-        let row = unsafe { row(arena, x, r, &mut scratch) };
-        let (m, s) = exp_row::<AVX2>(row, &mut e);
-        *loss = ((m + s.ln()) - row[t[r]]) as f64;
+        let xs = unsafe { row(arena, x, r, &mut scratch) };
+        let (m, s) = exp_row::<AVX2>(xs, &mut e);
+        *loss = ((m + s.ln()) - xs[t[r]]) as f64;
     }
 }
 
@@ -115,13 +115,13 @@ fn grads<const AVX2: bool>(
     let mut scratch = vec![0.0f32; x.cols];
     for &r in rows {
         // SAFETY: `backward`'s contract: `out` is a contiguous `[N, C]` apart from the logits.
-        let (row, g) = unsafe {
+        let (xs, g) = unsafe {
             (
                 row(arena, x, r, &mut scratch),
                 std::slice::from_raw_parts_mut(arena.0.add(out + r * x.cols), x.cols),
             )
         };
-        let (_, s) = exp_row::<AVX2>(row, g);
+        let (_, s) = exp_row::<AVX2>(xs, g);
         let target_p = g[t[r]] / s;
         for p in g.iter_mut() {
             *p = *p / s * scale;
