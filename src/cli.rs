@@ -773,13 +773,16 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mib_or_na(s.load_rss_growth_bytes),
         mib_or_na(s.peak_rss_bytes)
     );
-    if let Some(path) = &a.json {
-        let body = serde_json::to_string_pretty(&s)
-            .map_err(|e| format!("cannot encode the summary: {e}"))?;
-        std::fs::write(path, body)
-            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
-        say!("wrote {}", path.display());
-    }
+    write_json(a.json.as_deref(), &s)
+}
+
+/// Writes a bench summary as JSON to `--json`'s file, when one was given.
+fn write_json(path: Option<&Path>, summary: &impl serde::Serialize) -> Result<(), String> {
+    let Some(path) = path else { return Ok(()) };
+    let body = serde_json::to_string_pretty(summary)
+        .map_err(|e| format!("cannot encode the summary: {e}"))?;
+    std::fs::write(path, body).map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+    say!("wrote {}", path.display());
     Ok(())
 }
 
@@ -826,14 +829,7 @@ fn bench_paired(a: &BenchArgs, against: &str, registry: &Registry) -> Result<(),
         s.ratio_q3,
         s.pairs
     );
-    if let Some(path) = &a.json {
-        let body = serde_json::to_string_pretty(&s)
-            .map_err(|e| format!("cannot encode the summary: {e}"))?;
-        std::fs::write(path, body)
-            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
-        say!("wrote {}", path.display());
-    }
-    Ok(())
+    write_json(a.json.as_deref(), &s)
 }
 
 /// Reads and verifies a graph file: `.ron` as RON, anything else as the text format.
