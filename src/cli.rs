@@ -65,8 +65,9 @@ pub enum Command {
     ///
     /// Each line reads `step: N loss: X grad_norm: Y memory: Z tps: T tflops: F mfu: M`. `memory`
     /// is the executor's peak of live tensor bytes at graph dtypes; `tflops` counts
-    /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is n/a on the reference interpreter, which
-    /// has no hardware peak. A non-finite loss stops the run with an error naming the step.
+    /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is against the cpu backend's 2-core peak
+    /// and n/a on the others (no known peak). A non-finite loss stops the run with an error
+    /// naming the step.
     Run(RunArgs),
     /// Train for warm-up plus measured steps and report median tokens/s, compile time by stage,
     /// predicted against measured memory and peak RSS (`--json FILE` writes the summary).
@@ -243,9 +244,10 @@ impl OptimArgs {
 pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Where the step executes: `cpu` (cubecl-cpu kernels and a native GEMM), `reference` (the
-    /// interpreter: slow, the numerics oracle). `wgpu` and `cuda` are named but not built yet,
-    /// and say so.
+    /// Where the step executes: `cpu` (cubecl-cpu kernels and a native GEMM), `wgpu` (any
+    /// Vulkan/Metal/DX12 GPU, or lavapipe; correct, not yet fast), `cuda` (built with
+    /// `--features cuda`; not yet run on a GPU), `reference` (the interpreter: slow, the numerics
+    /// oracle).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// How the compiled backends lower the step: `fused` (elementwise chains in one kernel,
@@ -655,12 +657,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         };
         let tps = m.tokens as f64 / m.seconds;
         let gflops = tps * flops_per_token / 1e9;
-        // The reference interpreter has no meaningful hardware peak; the cpu backend is measured
-        // against the 2-core peak (see bench.rs).
-        let mfu = if trainer.program().is_some() {
-            format!("{:.1}%", 100.0 * gflops / crate::bench::CPU_PEAK_GFLOPS)
-        } else {
-            "n/a".to_string()
+        // Only the cpu backend has a known peak (the 2 cores', see bench.rs).
+        let mfu = match crate::bench::peak_gflops(&a.train.backend) {
+            Some(peak) => format!("{:.1}%", 100.0 * gflops / peak),
+            None => "n/a".to_string(),
         };
         say!(
             "step: {:>2} loss: {:.4} grad_norm: {:.4} memory: {:.2}MiB tps: {:.0} tflops: {:.4} mfu: {mfu}",
@@ -738,7 +738,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             crate::bench::CPU_PEAK_GFLOPS,
             crate::bench::CPU_PEAK_SOURCE
         ),
-        None => format!("n/a ({} has no hardware peak)", s.backend),
+        None => format!("n/a (no known peak for {})", s.backend),
     };
     say!(
         "summary: median_tps: {:.0} best_tps: {:.0} median_step: {} achieved: {:.2} GFLOP/s mfu: {mfu}",

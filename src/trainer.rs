@@ -97,9 +97,9 @@ pub fn build_step(
 /// per-parameter scalar chains (bias corrections, lr products) are identical across parameters
 /// and collapse to one each, which saves hundreds of tiny launches per step. Tier 1, so the
 /// result is bitwise the same as running the graph as it was.
-fn legalize(g: &Graph) -> Result<Graph, TrainError> {
+fn legalize(g: &Graph, backend: Backend) -> Result<Graph, TrainError> {
     let primitives = graphtrain_ir::decompose::decompose(g, &|op| {
-        op.is_composite() && !graphtrain_lowering::kept_composite(op)
+        op.is_composite() && !backend.keeps_composite(op)
     })
     .map_err(|e| err(format!("decomposing composites failed: {e}")))?;
     let pipeline = graphtrain_passes::PipelineSpec::parse_list("cse,dce")
@@ -293,7 +293,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         let graph = if mode == Mode::Eager {
             self.graph.clone()
         } else {
-            legalize(&self.graph)?
+            legalize(&self.graph, backend)?
         };
         let mut exec = graphtrain_runtime::load(&graph, backend, mode).map_err(err)?;
         write_inputs(exec.as_mut(), &self.slots)?;

@@ -7,6 +7,6 @@ pub mod program;
 
 pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
 pub use program::{
-    kept_composite, lower, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode, Program,
-    ReduceKind, Step, View,
+    kept_composite, lower, lower_with, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode,
+    Program, ReduceKind, Step, View,
 };

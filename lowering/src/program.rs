@@ -19,7 +19,7 @@
 //! inlined producer is the same expression evaluated in a register instead of reloaded; a
 //! folded transpose only changes where a kernel or the GEMM reads, and the GEMM's summation
 //! order does not depend on operand layout), so both give bitwise identical results on one
-//! backend — tests/backend_cpu.rs and tests/gate.rs check it.
+//! backend — tests/backends.rs and tests/gate.rs check it.
 //!
 //! Declines (with an error naming the node): dtypes other than f32 / i32 / bool, integer tensors
 //! whose values cannot be held exactly by the f32 storage the kernels use (see `Storage`).
@@ -551,14 +551,24 @@ impl Program {
     }
 }
 
-/// Lowers a verified train-step graph.
+/// Lowers a verified train-step graph, keeping the composites `kept_composite` names.
 pub fn lower(g: &Graph, mode: Mode) -> Result<Program, LowerError> {
-    let graph =
-        decompose(g, &|op| op.is_composite() && !kept_composite(op)).map_err(|e| LowerError {
-            node: None,
-            module: e.module.clone(),
-            message: format!("decomposing composites failed: {e}"),
-        })?;
+    lower_with(g, mode, &kept_composite)
+}
+
+/// Lowers a verified train-step graph, keeping the composites `keep` accepts as one step each
+/// and decomposing the others into primitives (a backend without a kernel for a composite
+/// passes a `keep` that refuses it).
+pub fn lower_with(
+    g: &Graph,
+    mode: Mode,
+    keep: &dyn Fn(&Op) -> bool,
+) -> Result<Program, LowerError> {
+    let graph = decompose(g, &|op| op.is_composite() && !keep(op)).map_err(|e| LowerError {
+        node: None,
+        module: e.module.clone(),
+        message: format!("decomposing composites failed: {e}"),
+    })?;
     let (folded, constants) = fold_constants(&graph)?;
     check_dtypes(&graph, &folded)?;
     let steps = match mode {
@@ -1568,7 +1578,7 @@ mod tests {
 
     /// A causal mask and its -inf fill, broadcast to the scores' shape, stay small: the mask is
     /// folded at its own `[S, S]` size and read as a broadcast, the fill is a constant in the
-    /// kernel. Numerics are checked on the cpu backend (tests/backend_cpu.rs, attention).
+    /// kernel. Numerics are checked on the cpu backend (tests/backends.rs, attention).
     #[test]
     fn broadcast_and_filled_constants_are_not_folded_at_full_size() {
         let g = graphtrain_ir::text::parse(
@@ -1593,7 +1603,7 @@ mod tests {
 
     /// AdamW updates whose outputs replace their inputs in place are one step in fused mode;
     /// one that writes new values (here: the third, not donated) stays its own step. Numerics:
-    /// tests/backend_cpu.rs (a whole train step against the interpreter and the eager lowering).
+    /// tests/backends.rs (a whole train step against the interpreter and the eager lowering).
     #[test]
     fn in_place_adamw_updates_merge_into_one_step() {
         let mut src = String::from("graph g {\n  input %lr: f32[]\n  input %t: f32[]\n");
@@ -1644,7 +1654,7 @@ mod tests {
 
     /// Attention's output read only through `transpose(0, 2, 1, 3)` is written in the
     /// transposed layout: no copy step, and the step writes the transpose's value. Numerics:
-    /// tests/backend_cpu.rs (composites, the `tiny` train step, fused against eager).
+    /// tests/backends.rs (composites, the `tiny` train step, fused against eager).
     #[test]
     fn attention_writes_its_transposed_reader_directly() {
         let g = graphtrain_ir::text::parse(
@@ -1676,7 +1686,7 @@ mod tests {
 
     /// A value whose two readers' chains meet in one node (SiLU's gradient) is computed inside
     /// that node's kernel: one map, no `sigmoid` step. A value with two readers that stay apart
-    /// is materialized once. Numerics: tests/backend_cpu.rs (`converging_readers`).
+    /// is materialized once. Numerics: tests/backends.rs (`converging_readers`).
     #[test]
     fn a_value_read_twice_on_the_way_to_one_node_is_inlined() {
         let g = graphtrain_ir::text::parse(

@@ -52,6 +52,12 @@ pub const MODE_INNER: u32 = 3;
 /// column (inner) the kernel keeps, with no division per vector.
 pub const ON_ROW_SHIFT: u32 = 16;
 
+/// Bit of `modes` asking that every op's result in a fused expression pass through `guard`, so
+/// that the shader compiler below cubecl cannot rewrite across ops (the device backends:
+/// lavapipe's NIR fuses `a * b + c` into one FMA and `1 / (1 / x)` into `x`; the op-by-op
+/// kernels, each op alone, cannot be rewritten so, and would round differently).
+pub const GUARD_OPS: u32 = 1 << 30;
+
 /// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets
 /// `o*` (in vectors for full inputs, in elements otherwise) and parameters `p*` (`inner` or
 /// `period`), plus `base`, the output element of vector 0, `w`, the vector width, `shift` and
@@ -125,6 +131,28 @@ fn opaque<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
     Vector::<f32, N>::reinterpret(Vector::<u32, N>::reinterpret(x))
 }
 
+/// `x`, through a select on a value known only at run time (the vector width, never 0): a
+/// compiler cannot rewrite an expression through it, as it can through a bitcast.
+#[cube]
+fn guard<N: Size>(x: Vector<f32, N>, args: &MapArgs) -> Vector<f32, N> {
+    let width = Vector::<u32, N>::new(u32::cast_from(args.w));
+    let keep = width.not_equal(&Vector::<u32, N>::new(0));
+    select_many(keep, x, Vector::<f32, N>::new(0.0))
+}
+
+/// The float with bits `bits`, built at run time from `seed` (any value) when it is not finite:
+/// cubecl-wgpu prints a non-finite float constant as `Inf`/`NaN`, which WGSL cannot parse, and
+/// cubecl-opt folds a bitcast of a constant back into one. Finite values stay constants.
+#[cube]
+fn float_bits(#[comptime] bits: u32, seed: usize) -> f32 {
+    if comptime!(f32::from_bits(bits).is_finite()) {
+        f32::from_bits(bits)
+    } else {
+        f32::reinterpret(u32::new(bits as i64) | (u32::cast_from(seed) & u32::new(0)))
+    }
+}
+
+/// The value of `e`, each op's result guarded when `modes` has `GUARD_OPS`.
 #[cube]
 fn eval<N: Size>(
     arena: &mut [Vector<f32, N>],
@@ -135,9 +163,28 @@ fn eval<N: Size>(
     #[comptime] modes: u32,
     #[comptime] e: Expr,
 ) -> Vector<f32, N> {
+    let leaf = comptime!(matches!(e, Expr::Input(_) | Expr::Const(_)));
+    let x = eval_op::<N>(arena, args, i, row, col, modes, e);
+    if comptime!(modes & GUARD_OPS != 0 && !leaf) {
+        guard::<N>(x, args)
+    } else {
+        x
+    }
+}
+
+#[cube]
+fn eval_op<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    i: usize,
+    row: usize,
+    col: usize,
+    #[comptime] modes: u32,
+    #[comptime] e: Expr,
+) -> Vector<f32, N> {
     match e {
         Expr::Input(k) => load::<N>(arena, args, i, row, col, k, modes),
-        Expr::Const(bits) => Vector::<f32, N>::new(f32::from_bits(bits)),
+        Expr::Const(bits) => Vector::<f32, N>::new(float_bits(bits, args.w)),
         Expr::Unary(op, a) => {
             let x = eval::<N>(arena, args, i, row, col, modes, *a);
             let one = Vector::<f32, N>::new(1.0);
@@ -361,7 +408,7 @@ pub fn reduce_kernel(
         end = len;
     }
     let init = if is_max {
-        f32::new(f32::NEG_INFINITY)
+        float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len)
     } else {
         f32::new(0.0)
     };
@@ -454,7 +501,7 @@ pub fn reduce_cols_kernel<N: Size>(
         end = len;
     }
     let init = if is_max {
-        Vector::<f32, N>::new(f32::NEG_INFINITY)
+        Vector::<f32, N>::new(float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len))
     } else {
         Vector::<f32, N>::new(0.0)
     };

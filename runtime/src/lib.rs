@@ -5,7 +5,8 @@
 //! - `Executor` is what every backend implements: write inputs into the arena, run the steps,
 //!   read values back. Parameters and optimizer state stay in the arena between steps (their
 //!   outputs are donated to their inputs), so a training loop only writes the batch;
-//! - `cpu` (cubecl-cpu) is the compiled backend built today; `reference` runs the interpreter.
+//! - `cpu` (cubecl-cpu) is the fast compiled backend; `device` runs the same Programs on
+//!   `wgpu` and `cuda`, with their composites decomposed; `reference` runs the interpreter.
 //!
 //! Invariant: an executor never changes a Program's numerics: the same Program on the same
 //! backend gives bitwise identical results every run (no autotuning, fixed summation orders).
@@ -14,15 +15,19 @@ pub mod adamw;
 pub mod attention;
 pub mod cpu;
 pub mod cross_entropy;
+pub mod device;
+pub mod device_kernels;
 pub mod gemm;
 pub mod kernels;
+pub mod launches;
 pub mod pool;
 pub mod replay;
 pub mod rope;
 mod rows;
 
-use graphtrain_ir::{interp, Graph, HostTensor, ValueId};
-use graphtrain_lowering::{lower, Mode, Program};
+use device::DeviceKind;
+use graphtrain_ir::{interp, Graph, HostTensor, Op, ValueId};
+use graphtrain_lowering::{kept_composite, lower_with, Mode, Program};
 use std::fmt;
 use std::str::FromStr;
 
@@ -32,9 +37,10 @@ pub enum Backend {
     Reference,
     /// cubecl-cpu: kernels JIT-compiled through LLVM, plus a native GEMM.
     Cpu,
-    /// cubecl-wgpu (Vulkan/Metal/DX12; lavapipe on a machine without a GPU). Not built yet.
+    /// cubecl-wgpu (Vulkan/Metal/DX12; lavapipe on a machine without a GPU), with the
+    /// `wgpu` feature (on by default). Correct, not yet fast.
     Wgpu,
-    /// cubecl-cuda. Not built yet.
+    /// cubecl-cuda, with the `cuda` feature. Built in CI, not yet run.
     Cuda,
 }
 
@@ -55,18 +61,28 @@ impl Backend {
         }
     }
 
-    /// Why this backend cannot run here, if it cannot.
+    /// Why this backend cannot run here, if it cannot: not compiled in, or no device present.
     pub fn unavailable(self) -> Option<String> {
         match self {
             Backend::Reference | Backend::Cpu => None,
-            Backend::Wgpu => Some(
-                "backend `wgpu` is not built into this graphtrain yet (planned: cubecl's wgpu runtime; on a machine without a GPU it needs Mesa's lavapipe, Debian packages mesa-vulkan-drivers and libvulkan1). Use --backend cpu."
-                    .into(),
-            ),
-            Backend::Cuda => Some(
-                "backend `cuda` is not built into this graphtrain yet (planned: cubecl's cuda runtime, which needs an NVIDIA GPU and driver). Use --backend cpu."
-                    .into(),
-            ),
+            Backend::Wgpu => device::DeviceKind::Wgpu
+                .device()
+                .err()
+                .map(|e| e.to_string()),
+            Backend::Cuda => device::DeviceKind::Cuda
+                .device()
+                .err()
+                .map(|e| e.to_string()),
+        }
+    }
+
+    /// Whether a Program for this backend keeps composite `op` as one step. The cpu backend
+    /// runs the composites `kept_composite` names as host steps; the device backends have no
+    /// kernels for them, so their Programs hold primitives only.
+    pub fn keeps_composite(self, op: &Op) -> bool {
+        match self {
+            Backend::Reference | Backend::Cpu => kept_composite(op),
+            Backend::Wgpu | Backend::Cuda => false,
         }
     }
 }
@@ -223,11 +239,13 @@ pub fn load(g: &Graph, backend: Backend, mode: Mode) -> Result<Box<dyn Executor>
     if let Some(why) = backend.unavailable() {
         return Err(RuntimeError::Unavailable(why));
     }
-    let program = lower(g, mode).map_err(|e| RuntimeError::Lower(e.to_string()))?;
+    let program = lower_with(g, mode, &|op| backend.keeps_composite(op))
+        .map_err(|e| RuntimeError::Lower(e.to_string()))?;
     Ok(match backend {
         Backend::Reference => Box::new(ReferenceExecutor::new(program)),
         Backend::Cpu => Box::new(cpu::CpuExecutor::new(program)?),
-        Backend::Wgpu | Backend::Cuda => unreachable!("refused above"),
+        Backend::Wgpu => Box::new(device::DeviceExecutor::new(program, DeviceKind::Wgpu)?),
+        Backend::Cuda => Box::new(device::DeviceExecutor::new(program, DeviceKind::Cuda)?),
     })
 }
 

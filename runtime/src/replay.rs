@@ -11,7 +11,7 @@
 //!
 //! Guarantee: a bound launch runs the same machine code over the same arguments and the same
 //! work split as the dispatched one, so replay is bitwise equal to dispatch (tested in
-//! tests/backend_cpu.rs and by the pipeline gate).
+//! tests/backends.rs and by the pipeline gate).
 
 use crate::kernels::{copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel};
 use crate::pool::Pool;
@@ -43,6 +43,16 @@ macro_rules! spread {
     (@call $f:path, [$($pre:expr),*], $args:ident, [$($i:literal),*], [$($post:expr),*]) => {
         $f($($pre,)* $($args[$i],)* $($post),*)
     };
+}
+
+/// Cubes and units per cube for a launch of `units` units: one cube of up to 256 units (every
+/// cpu launch: a unit is a worker thread), else cubes of 64 (`units` is then a multiple of 64).
+pub fn grid(units: u32) -> (CubeCount, CubeDim) {
+    if units <= 256 {
+        (CubeCount::Static(1, 1, 1), CubeDim::new_1d(units))
+    } else {
+        (CubeCount::Static(units / 64, 1, 1), CubeDim::new_1d(64))
+    }
 }
 
 /// One kernel launch, fully resolved. The scalar arguments are in the kernel's parameter order
@@ -167,50 +177,50 @@ impl KernelCall {
         arena: &cubecl::server::Handle,
         arena_elems: usize,
     ) {
-        let count = CubeCount::Static(1, 1, 1);
+        let (count, dim) = grid(self.units());
         let buffer = BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems));
         // SAFETY: forwarded from the caller.
         unsafe {
             match self {
                 KernelCall::Map {
                     width,
-                    units,
+                    units: _,
                     modes,
                     expr,
                     args,
                 } => spread!(
                     map_kernel::launch_unchecked,
-                    [client, count, CubeDim::new_1d(*units), *width, buffer],
+                    [client, count, dim, *width, buffer],
                     args[0..18],
                     [*modes, expr.clone()]
                 ),
-                KernelCall::Copy { units, args } => spread!(
+                KernelCall::Copy { args, .. } => spread!(
                     copy_kernel::launch_unchecked,
-                    [client, count, CubeDim::new_1d(*units), buffer],
+                    [client, count, dim, buffer],
                     args[0..14],
                     []
                 ),
                 KernelCall::Reduce {
                     width: 1,
-                    units,
+                    units: _,
                     is_max,
                     rows,
                     args,
                 } => spread!(
                     reduce_kernel::launch_unchecked,
-                    [client, count, CubeDim::new_1d(*units), buffer],
+                    [client, count, dim, buffer],
                     args[0..12],
                     [*is_max, *rows]
                 ),
                 KernelCall::Reduce {
                     width,
-                    units,
+                    units: _,
                     is_max,
                     args,
                     ..
                 } => spread!(
                     reduce_cols_kernel::launch_unchecked,
-                    [client, count, CubeDim::new_1d(*units), *width, buffer],
+                    [client, count, dim, *width, buffer],
                     args[0..12],
                     [*is_max]
                 ),

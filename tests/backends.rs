@@ -1,11 +1,18 @@
-//! The cpu backend against the reference interpreter, op by op and for whole train steps, plus the
-//! bitwise gate between the fused and the eager lowering on the same backend.
+//! The compiled backends (cpu, and wgpu where it is built and has an adapter) against the
+//! reference interpreter, op by op and for whole train steps, plus the bitwise gate between the
+//! fused and the eager lowering on the same backend.
 //!
-//! Every case runs a small graph (text format) on seeded random inputs five ways: interpreter,
-//! cpu eager, cpu fused, and both again with every step captured (replayed as bound launches,
-//! not dispatched through cubecl). cpu must match the interpreter to 1e-4 relative (the
-//! interpreter computes in f64 and rounds each op to f32; cpu computes in f32); eager must equal
-//! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not multiples of the 8-wide vectors or the GEMM tiles.
+//! Every case runs a small graph (text format) on seeded random inputs: interpreter, cpu eager,
+//! cpu fused, both again with every step captured (replayed as bound launches, not dispatched
+//! through cubecl), and wgpu eager and fused (its Program with every composite decomposed).
+//! Each backend must match the interpreter to 1e-4 relative (the interpreter computes in f64
+//! and rounds each op to f32; the backends compute in f32); on each backend eager must equal
+//! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not
+//! multiples of the vector widths or the GEMM tiles.
+//!
+//! wgpu runs on Mesa's lavapipe where there is no GPU. Without an adapter the wgpu half of a
+//! test is skipped with a message, except under CI (`CI` set), where it fails: CI installs
+//! lavapipe, so a missing adapter there is a broken setup, not a reason to pass.
 
 use graphtrain::gate;
 use graphtrain_ir::{text, Graph, HostTensor};
@@ -45,6 +52,19 @@ fn captured(g: &Graph) -> Graph {
     g
 }
 
+/// The device backends to test here: wgpu when it can run, nothing (with a message) when it
+/// cannot outside CI.
+fn device_backends() -> Vec<Backend> {
+    match Backend::Wgpu.unavailable() {
+        None => vec![Backend::Wgpu],
+        Some(why) if std::env::var_os("CI").is_some() => panic!("wgpu must run under CI: {why}"),
+        Some(why) => {
+            eprintln!("skipping the wgpu half of this test: {why}");
+            Vec::new()
+        }
+    }
+}
+
 fn check(name: &str, src: &str) {
     let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
     graphtrain_ir::verify::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -74,6 +94,23 @@ fn check(name: &str, src: &str) {
                 bitwise_equal(e, &replayed[0][k]) && bitwise_equal(f, &replayed[1][k]),
                 "{name} (seed {seed}): output {k}: replayed launches differ from dispatched ones"
             );
+        }
+        for backend in device_backends() {
+            let [eager, fused] = [Mode::Eager, Mode::Fused].map(|mode| {
+                run_once(&g, backend, mode, &inputs)
+                    .unwrap_or_else(|e| panic!("{name}: {backend} {mode:?}: {e}"))
+            });
+            for (k, ((w, e), f)) in want.iter().zip(&eager).zip(&fused).enumerate() {
+                let err = rel_err(e, w);
+                assert!(
+                    err <= 1e-4,
+                    "{name} (seed {seed}): {backend}: output {k} differs from the interpreter by {err:e}"
+                );
+                assert!(
+                    bitwise_equal(e, f),
+                    "{name} (seed {seed}): {backend}: output {k}: fused and eager differ"
+                );
+            }
         }
     }
 }
@@ -485,6 +522,15 @@ fn a_bad_cross_entropy_target_is_an_error() {
             .contains("target 5 at row 2 is out of range 0..5"),
         "{err}"
     );
+    // On a device the decomposed cross-entropy gathers by target; the index check names it.
+    for backend in device_backends() {
+        let err = run_once(&g, backend, Mode::Fused, &inputs).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("(gather): index 5 at position 2 is out of range 0..5"),
+            "{backend}: {err}"
+        );
+    }
 }
 
 /// AdamW as one host step over several parameters (in place, merged) and as separate steps
@@ -581,15 +627,43 @@ fn tiny_train_step_matches_the_interpreter_after_five_steps() {
 /// exactly on loss, grad norm, parameters and optimizer state after 5 AdamW steps.
 #[test]
 fn fused_and_eager_are_bitwise_identical_on_cpu() {
-    let (eager, fused) = gate::train_on_backends(
-        "tiny",
-        5,
-        Backend::Cpu,
-        Mode::Eager,
-        Backend::Cpu,
-        Mode::Fused,
-    )
-    .unwrap();
+    assert_fused_equals_eager(Backend::Cpu);
+}
+
+/// The same `tiny` train step on wgpu: within 1e-4 of the interpreter after 5 AdamW steps, and
+/// bitwise equal between its fused and eager lowerings.
+#[test]
+fn tiny_train_step_on_wgpu_matches_the_interpreter_and_its_eager_run() {
+    for backend in device_backends() {
+        let (reference, device) = gate::train_on_backends(
+            "tiny",
+            5,
+            Backend::Reference,
+            Mode::Eager,
+            backend,
+            Mode::Fused,
+        )
+        .unwrap();
+        for (r, c) in reference.losses.iter().zip(&device.losses) {
+            assert!(
+                (r - c).abs() / r.abs() <= 1e-4,
+                "loss {c} on {backend} vs {r} on the interpreter"
+            );
+        }
+        for ((name, r), (_, c)) in reference.state.iter().zip(&device.state) {
+            let err = rel_err(c, r);
+            assert!(
+                err <= 1e-4,
+                "{backend}: `{name}` after 5 steps differs by {err:e}"
+            );
+        }
+        assert_fused_equals_eager(backend);
+    }
+}
+
+fn assert_fused_equals_eager(backend: Backend) {
+    let (eager, fused) =
+        gate::train_on_backends("tiny", 5, backend, Mode::Eager, backend, Mode::Fused).unwrap();
     assert_eq!(eager.losses, fused.losses);
     assert_eq!(eager.grad_norms, fused.grad_norms);
     for ((name, e), (_, f)) in eager.state.iter().zip(&fused.state) {
@@ -598,7 +672,7 @@ fn fused_and_eager_are_bitwise_identical_on_cpu() {
                 .iter()
                 .zip(&f.data)
                 .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "`{name}` differs between eager and fused"
+            "{backend}: `{name}` differs between eager and fused"
         );
     }
 }

@@ -1,0 +1,499 @@
+//! The device backends, `wgpu` and `cuda`: a Program run on a GPU through cubecl. One arena
+//! buffer in device memory holds every value, as on the cpu backend.
+//!
+//! - Map, copy and reduce steps launch the cpu backend's kernels (`kernels.rs`, through
+//!   `launches.rs`) at vector width 4 over a grid of 64-unit cubes;
+//! - matmul, gather and scatter-add launch `device_kernels.rs`; gather and scatter-add are
+//!   preceded by an index check whose flag is read back before the step runs, so a bad index is
+//!   an error naming the step and position, never a silent wrong value;
+//! - iota and random values are computed on the host and written into the arena;
+//! - the composites the cpu backend runs as host steps (attention, rope, cross-entropy, AdamW)
+//!   are decomposed into primitives by the lowering (`Backend::keeps_composites`).
+//!
+//! What is not done yet: the kernels are simple (one unit per output, no shared-memory tiling),
+//! so this backend is correct, not fast. It is tested on Mesa's lavapipe (a Vulkan driver
+//! running on the CPU); `cuda` is built (`cargo check --features cuda`) but has not run here.
+//!
+//! Ordering: every launch queues on the client's one stream, in step order; reads and host
+//! writes go through the same stream, so each sees the launches before it.
+
+use crate::device_kernels::{
+    check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
+};
+use crate::launches::{Grid, Launches};
+use crate::replay::grid;
+use crate::{Executor, RuntimeError};
+use cubecl::prelude::*;
+use graphtrain_ir::{rng, HostTensor, ValueId};
+use graphtrain_lowering::program::{contiguous_strides, MAX_EXACT_INT};
+use graphtrain_lowering::{Program, Step};
+
+/// The widest vector the map kernels read on a device (WGSL's `vec4`).
+const VECTOR: usize = 4;
+/// Units per cube on a device, and the most units one launch uses (a grid-stride loop covers
+/// the rest). wgpu caps a dispatch at 65535 cubes per dimension.
+const CUBE: usize = 64;
+const MAX_UNITS: usize = CUBE * 4096;
+
+/// One unit per 4 outputs of a map, copy or reduction, in whole cubes once past one cube.
+const DEVICE_GRID: Grid = Grid {
+    vector: VECTOR,
+    units: |work, _| units_for(work.div_ceil(4)),
+    guard_ops: true,
+};
+
+/// Units for `work` independent outputs: up to one per output, whole cubes past 256.
+fn units_for(work: usize) -> u32 {
+    let units = work.clamp(1, MAX_UNITS);
+    if units <= 256 {
+        units as u32
+    } else {
+        units.next_multiple_of(CUBE) as u32
+    }
+}
+
+/// Which device a device backend runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Wgpu,
+    Cuda,
+}
+
+impl DeviceKind {
+    fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Wgpu => "wgpu",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+
+    /// The device, or what is missing and how to get it.
+    pub fn device(self) -> Result<cubecl::Device, RuntimeError> {
+        use cubecl::device::{DeviceUnavailable, WgpuDeviceKind};
+        let found = match self {
+            DeviceKind::Wgpu => cubecl::Device::wgpu(WgpuDeviceKind::default()),
+            DeviceKind::Cuda => cubecl::Device::cuda(0),
+        };
+        found.map_err(|e| {
+            RuntimeError::Unavailable(match (self, e) {
+                (DeviceKind::Wgpu, DeviceUnavailable::NotLinked(_)) => {
+                    "backend `wgpu` is not compiled into this graphtrain: rebuild with its \
+default features (`--features wgpu`). Or use --backend cpu."
+                        .into()
+                }
+                (DeviceKind::Cuda, DeviceUnavailable::NotLinked(_)) => {
+                    "backend `cuda` is not compiled into this graphtrain: rebuild with \
+`--features cuda` on a machine with an NVIDIA GPU and driver. Or use --backend cpu."
+                        .into()
+                }
+                (DeviceKind::Wgpu, DeviceUnavailable::NoSuchDevice { .. }) => {
+                    "backend `wgpu` found no GPU adapter: it needs a Vulkan, Metal or DX12 \
+driver; on a machine without a GPU, install Mesa's lavapipe (Debian packages \
+mesa-vulkan-drivers and libvulkan1). Or use --backend cpu."
+                        .into()
+                }
+                (DeviceKind::Cuda, DeviceUnavailable::NoSuchDevice { .. }) => {
+                    "backend `cuda` found no NVIDIA GPU: it needs one and its driver \
+(libcuda). Or use --backend cpu."
+                        .into()
+                }
+            })
+        })
+    }
+}
+
+pub struct DeviceExecutor {
+    program: Program,
+    kind: DeviceKind,
+    client: Client,
+    arena: cubecl::server::Handle,
+    /// Elements of the arena the Program addresses; the index-check flag lives right after.
+    len: usize,
+}
+
+impl DeviceExecutor {
+    pub fn new(program: Program, kind: DeviceKind) -> Result<Self, RuntimeError> {
+        let client = kind.device()?.client();
+        // Whole vectors, plus one vector holding the index-check flag.
+        let len = program.arena_elems().next_multiple_of(VECTOR);
+        let bytes = (len + VECTOR) * 4;
+        let max = client.properties().memory.max_page_size;
+        if bytes as u64 > max || len + VECTOR > u32::MAX as usize {
+            return Err(RuntimeError::DoesNotFit(format!(
+                "the program does not fit: the buffer plan needs {} ({}), and one buffer on \
+this {} device holds at most {}",
+                crate::mib(bytes),
+                program.plan,
+                kind.name(),
+                crate::mib(max.min(usize::MAX as u64) as usize)
+            )));
+        }
+        let arena = client.create_from_slice(&vec![0u8; bytes]);
+        let constants = program.constants.clone();
+        let mut exec = DeviceExecutor {
+            program,
+            kind,
+            client,
+            arena,
+            len,
+        };
+        for (v, t) in &constants {
+            exec.write(*v, t)?;
+        }
+        Ok(exec)
+    }
+
+    fn off(&self, v: ValueId) -> usize {
+        self.program.elem_offset(v)
+    }
+
+    /// The arena's elements `start..start + n`, as a handle for reads and writes.
+    fn range(&self, start: usize, n: usize) -> cubecl::server::Handle {
+        let total = self.len + VECTOR;
+        self.arena
+            .clone()
+            .offset_start((start * 4) as u64)
+            .offset_end(((total - start - n) * 4) as u64)
+    }
+
+    fn write_floats(&self, start: usize, data: &[f32]) {
+        if data.is_empty() {
+            return;
+        }
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.client.write(
+            &self.range(start, data.len()),
+            cubecl::bytes::Bytes::from_bytes_vec(bytes),
+        );
+    }
+
+    fn read_floats(&self, start: usize, n: usize) -> Result<Vec<f32>, RuntimeError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = self
+            .client
+            .read_one(self.range(start, n))
+            .map_err(|e| RuntimeError::Backend(format!("reading from the device failed: {e:?}")))?;
+        Ok(bytes[..n * 4]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    fn buffer(&self) -> BufferArg {
+        // SAFETY: the arena holds `len + VECTOR` floats; every launch addresses inside it.
+        unsafe { BufferArg::from_raw_parts(self.arena.clone(), self.len + VECTOR) }
+    }
+
+    /// Launches the index check over `n` indices at `index` and fails, naming step `i`, when
+    /// one is out of `0..bound`.
+    fn check_indices(
+        &self,
+        i: usize,
+        step: &Step,
+        index: usize,
+        n: usize,
+        bound: usize,
+    ) -> Result<(), RuntimeError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (count, dim) = grid(units_for(n));
+        // SAFETY: the indices and the flag lie inside the arena.
+        unsafe {
+            check_indices_kernel::launch_unchecked(
+                &self.client,
+                count,
+                dim,
+                self.buffer(),
+                index,
+                n,
+                bound as f32,
+                self.len,
+            )
+        };
+        let flag = self.read_floats(self.len, 1)?[0];
+        if flag == 0.0 {
+            return Ok(());
+        }
+        self.write_floats(self.len, &[0.0]);
+        let pos = flag as usize - 1;
+        let x = self.read_floats(index + pos, 1)?[0];
+        Err(RuntimeError::Input(format!(
+            "step {i} ({}): index {x} at position {pos} is out of range 0..{bound}",
+            step.kind()
+        )))
+    }
+
+    fn run_step(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
+        let launches = Launches {
+            program: &self.program,
+            grid: DEVICE_GRID,
+        };
+        if let Some(calls) = launches.kernel_calls(step)? {
+            for call in &calls {
+                call.check_addressing()?;
+                // SAFETY: every offset + count is inside the arena (the planner sized it).
+                unsafe { call.dispatch(&self.client, &self.arena, self.len) };
+            }
+            return Ok(());
+        }
+        let g = &self.program.graph;
+        match step {
+            Step::Matmul {
+                out,
+                a,
+                b,
+                batch,
+                m,
+                n,
+                k,
+            } => {
+                let total = batch * m * n;
+                if total == 0 {
+                    return Ok(());
+                }
+                let (count, dim) = grid(units_for(total));
+                let (ao, bo) = (self.off(a.base) + a.offset, self.off(b.base) + b.offset);
+                // SAFETY: the views and the output lie inside the arena, the output apart from
+                // its operands (the planner never places an output over a live operand).
+                unsafe {
+                    matmul_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        ao,
+                        a.strides[0],
+                        a.strides[1],
+                        a.strides[2],
+                        bo,
+                        b.strides[0],
+                        b.strides[1],
+                        b.strides[2],
+                        self.off(*out),
+                        *m,
+                        *n,
+                        *k,
+                        total,
+                    )
+                };
+            }
+            Step::Gather {
+                out,
+                src,
+                index,
+                axis,
+            } => {
+                let sshape = &g.ty(*src).shape;
+                let ishape = &g.ty(*index).shape;
+                let total: usize = ishape.iter().product();
+                let (io, so, oo) = (self.off(*index), self.off(*src), self.off(*out));
+                self.check_indices(i, step, io, total, sshape[*axis])?;
+                if total == 0 {
+                    return Ok(());
+                }
+                let (n, s, s_axis) = padded_dims(ishape, sshape, *axis, step)?;
+                let (count, dim) = grid(units_for(total));
+                // SAFETY: source, indices and output lie inside the arena, the output apart.
+                unsafe {
+                    gather_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        so,
+                        io,
+                        oo,
+                        n[1],
+                        n[2],
+                        n[3],
+                        s[0],
+                        s[1],
+                        s[2],
+                        s[3],
+                        s_axis,
+                        sshape[*axis],
+                        total,
+                    )
+                };
+            }
+            Step::ScatterAdd {
+                out,
+                src,
+                index,
+                add,
+                axis,
+            } => {
+                let sshape = &g.ty(*src).shape;
+                let ishape = &g.ty(*index).shape;
+                let io = self.off(*index);
+                self.check_indices(i, step, io, ishape.iter().product(), sshape[*axis])?;
+                let total: usize = sshape.iter().product();
+                if total == 0 {
+                    return Ok(());
+                }
+                if sshape.len() > 4 {
+                    return Err(too_many_dims(step, sshape.len()));
+                }
+                if ishape.len() != sshape.len() {
+                    return Err(RuntimeError::Backend(format!(
+                        "step {i} (scatter_add): index rank {} differs from the source's {}",
+                        ishape.len(),
+                        sshape.len()
+                    )));
+                }
+                let pad = 4 - sshape.len();
+                let mut m = [1usize; 4];
+                let mut ib = [1usize; 4];
+                let mut q = [0usize; 4];
+                let istrides = contiguous_strides(ishape);
+                m[pad..].copy_from_slice(sshape);
+                ib[pad..].copy_from_slice(ishape);
+                q[pad..].copy_from_slice(&istrides);
+                let (count, dim) = grid(units_for(total));
+                // SAFETY: every operand lies inside the arena; `out` is `src` or apart from
+                // every operand.
+                unsafe {
+                    scatter_add_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        self.off(*src),
+                        io,
+                        self.off(*add),
+                        self.off(*out),
+                        m[1],
+                        m[2],
+                        m[3],
+                        ib[0],
+                        ib[1],
+                        ib[2],
+                        ib[3],
+                        q[0],
+                        q[1],
+                        q[2],
+                        q[3],
+                        (pad + axis) as u32,
+                        total,
+                    )
+                };
+            }
+            Step::Iota { out, inner, dim } => {
+                let n = g.ty(*out).numel();
+                let values: Vec<f32> = (0..n)
+                    .map(|i| ((i / inner.max(&1)) % dim.max(&1)) as f32)
+                    .collect();
+                self.write_floats(self.off(*out), &values);
+            }
+            Step::Random {
+                out,
+                seed,
+                stream,
+                normal,
+            } => {
+                let n = g.ty(*out).numel();
+                let seed = self.read_floats(self.off(*seed), 1)?[0] as i64 as u64;
+                let values: Vec<f32> = (0..n as u64)
+                    .map(|i| {
+                        if *normal {
+                            rng::normal(seed, *stream, i) as f32
+                        } else {
+                            rng::uniform(seed, *stream, i) as f32
+                        }
+                    })
+                    .collect();
+                self.write_floats(self.off(*out), &values);
+            }
+            other => {
+                return Err(RuntimeError::Backend(format!(
+                    "step {i} ({}) has no {} kernel: the lowering should have decomposed it",
+                    other.kind(),
+                    self.kind.name()
+                )))
+            }
+        }
+        Ok(())
+    }
+}
+
+fn too_many_dims(step: &Step, rank: usize) -> RuntimeError {
+    RuntimeError::Backend(format!(
+        "{} over {rank} dims: the device kernels address at most 4",
+        step.kind()
+    ))
+}
+
+/// A gather's index dims padded to four (`n`), the source strides along them with the indexed
+/// axis's zeroed (`s`), and that axis's stride.
+fn padded_dims(
+    ishape: &[usize],
+    sshape: &[usize],
+    axis: usize,
+    step: &Step,
+) -> Result<([usize; 4], [usize; 4], usize), RuntimeError> {
+    if ishape.len() > 4 {
+        return Err(too_many_dims(step, ishape.len()));
+    }
+    let pad = 4 - ishape.len();
+    let sst = contiguous_strides(sshape);
+    let mut n = [1usize; 4];
+    let mut s = [0usize; 4];
+    for d in 0..ishape.len() {
+        n[pad + d] = ishape[d];
+        s[pad + d] = if d == axis { 0 } else { sst[d] };
+    }
+    Ok((n, s, sst[axis]))
+}
+
+impl Executor for DeviceExecutor {
+    fn program(&self) -> &Program {
+        &self.program
+    }
+
+    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
+        let ty = self.program.graph.ty(v).clone();
+        if t.ty != ty {
+            return Err(RuntimeError::Input(format!(
+                "value {v:?} expects {ty}, got {}",
+                t.ty
+            )));
+        }
+        if !ty.dtype.is_float() {
+            if let Some(bad) = t.data.iter().find(|x| x.abs() > MAX_EXACT_INT as f64) {
+                return Err(RuntimeError::Input(format!(
+                    "integer {bad} is beyond 2^24, which the f32 storage of this backend cannot hold exactly"
+                )));
+            }
+        }
+        let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
+        self.write_floats(self.off(v), &data);
+        Ok(())
+    }
+
+    fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError> {
+        let ty = self.program.graph.ty(v).clone();
+        let data = self.read_floats(self.off(v), ty.numel())?;
+        HostTensor::new(ty, data.into_iter().map(f64::from).collect())
+            .map_err(|e| RuntimeError::Backend(e.to_string()))
+    }
+
+    fn run(&mut self) -> Result<(), RuntimeError> {
+        let steps = std::mem::take(&mut self.program.steps);
+        let result = steps
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, step)| self.run_step(i, step));
+        self.program.steps = steps;
+        result?;
+        cubecl::future::block_on(self.client.sync()).map_err(|e| {
+            RuntimeError::Backend(format!("a {} kernel failed: {e:?}", self.kind.name()))
+        })
+    }
+
+    fn memory_bytes(&self) -> usize {
+        (self.len + VECTOR) * 4
+    }
+}

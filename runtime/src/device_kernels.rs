@@ -1,0 +1,188 @@
+//! The cubecl kernels the device backends (`wgpu`, `cuda`) launch for the steps the cpu backend
+//! runs on the host: matmul, gather, scatter-add and the index check in front of both. Like
+//! `kernels.rs`, every kernel addresses the one arena buffer with element offsets passed at
+//! launch.
+//!
+//! Work split: unit `u` of `U` takes outputs `u, u + U, u + 2U, ...` (a grid-stride loop), so
+//! neighbouring units touch neighbouring outputs, as a GPU's memory system wants.
+//!
+//! Numerics: each output is computed by one unit in a fixed order (a matmul sums over `k` in
+//! index order; a scatter-add adds its contributions in position order, as the interpreter
+//! does), so results do not depend on the grid, and the same Program gives the same bits every
+//! run. The order differs from the cpu backend's GEMM: the two backends agree within rounding,
+//! not bit for bit.
+
+use cubecl::prelude::*;
+
+/// `c[b, i, j] = Σ_k a[b, i, k] · b[b, k, j]` over strided `a` and `b` (element strides per
+/// batch, row and column), into a contiguous `[batch, m, n]` output at `c`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_kernel(
+    arena: &mut [f32],
+    a: usize,
+    a_batch: usize,
+    a_row: usize,
+    a_col: usize,
+    b: usize,
+    b_batch: usize,
+    b_row: usize,
+    b_col: usize,
+    c: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let j = e % n;
+        let t = e / n;
+        let i = t % m;
+        let batch = t / m;
+        let row = a + batch * a_batch + i * a_row;
+        let col = b + batch * b_batch + j * b_col;
+        let mut acc = f32::new(0.0);
+        for kk in 0..k {
+            acc += arena[row + kk * a_col] * arena[col + kk * b_row];
+        }
+        arena[c + e] = acc;
+        e += units;
+    }
+}
+
+/// Flags the first index out of `[0, bound)` or not a whole number, among `n` contiguous
+/// indices at `index`: writes its position + 1 into `arena[status]`. Which bad position wins
+/// when there are several is up to the schedule; each write is one whole float.
+#[cube(launch_unchecked)]
+pub fn check_indices_kernel(arena: &mut [f32], index: usize, n: usize, bound: f32, status: usize) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < n {
+        let x = arena[index + e];
+        let whole = f32::floor(x) == x;
+        if !(x >= 0.0 && x < bound && whole) {
+            arena[status] = f32::cast_from(e + 1);
+        }
+        e += units;
+    }
+}
+
+/// `out[c] = src[Σ_d c_d·s_d + index[c]·s_axis]` for every position `c` of a contiguous
+/// index tensor of up to four dims `[n0, n1, n2, n3]` (`n0` from `total`); `s_d` are the
+/// source's strides with the indexed axis's set to 0, `s_axis` the one it had. An index the
+/// check rejected reads as 0 (the run then fails with the check's error).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn gather_kernel(
+    arena: &mut [f32],
+    src: usize,
+    index: usize,
+    out: usize,
+    n1: usize,
+    n2: usize,
+    n3: usize,
+    s0: usize,
+    s1: usize,
+    s2: usize,
+    s3: usize,
+    s_axis: usize,
+    bound: usize,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let c3 = e % n3;
+        let t = e / n3;
+        let c2 = t % n2;
+        let t = t / n2;
+        let c1 = t % n1;
+        let c0 = t / n1;
+        let x = arena[index + e];
+        let mut value = f32::new(0.0);
+        if x >= 0.0 && x < f32::cast_from(bound) {
+            let i = usize::cast_from(x);
+            value = arena[src + c0 * s0 + c1 * s1 + c2 * s2 + c3 * s3 + i * s_axis];
+        }
+        arena[out + e] = value;
+        e += units;
+    }
+}
+
+/// `out = src`, then `out[c with axis ← index[c]] += add[c]` for every index position `c`, each
+/// output summing its contributions in position order. One unit per output element walks the
+/// indexed axis of the index tensor, so no two units write one element and no atomics are
+/// needed. Dims are padded to four: `m1..m3` the source's (`m0` from `total`), `i0..i3` the
+/// index tensor's, `q0..q3` its contiguous strides; `axis` is the indexed dim (0..4). `out`
+/// may be `src` (an in-place update): each unit reads its element before writing it.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn scatter_add_kernel(
+    arena: &mut [f32],
+    src: usize,
+    index: usize,
+    add: usize,
+    out: usize,
+    m1: usize,
+    m2: usize,
+    m3: usize,
+    i0: usize,
+    i1: usize,
+    i2: usize,
+    i3: usize,
+    q0: usize,
+    q1: usize,
+    q2: usize,
+    q3: usize,
+    axis: u32,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let o3 = e % m3;
+        let t = e / m3;
+        let o2 = t % m2;
+        let t = t / m2;
+        let o1 = t % m1;
+        let o0 = t / m1;
+        let mut acc = arena[src + e];
+        // The output's coordinate along the axis is the index value to match; the others must
+        // exist in the index tensor.
+        let mut inside = (axis == 0 || o0 < i0) && (axis == 1 || o1 < i1);
+        inside = inside && (axis == 2 || o2 < i2) && (axis == 3 || o3 < i3);
+        let mut target = o3;
+        let mut along = i3;
+        let mut step = q3;
+        let mut base = o0 * q0 + o1 * q1 + o2 * q2;
+        if axis == 0 {
+            target = o0;
+            along = i0;
+            step = q0;
+            base = o1 * q1 + o2 * q2 + o3 * q3;
+        } else if axis == 1 {
+            target = o1;
+            along = i1;
+            step = q1;
+            base = o0 * q0 + o2 * q2 + o3 * q3;
+        } else if axis == 2 {
+            target = o2;
+            along = i2;
+            step = q2;
+            base = o0 * q0 + o1 * q1 + o3 * q3;
+        }
+        if inside {
+            let want = f32::cast_from(target);
+            for j in 0..along {
+                let p = base + j * step;
+                if arena[index + p] == want {
+                    acc += arena[add + p];
+                }
+            }
+        }
+        arena[out + e] = acc;
+        e += units;
+    }
+}

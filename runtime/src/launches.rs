@@ -1,0 +1,278 @@
+//! The kernel launches of a Program's map, copy and reduce steps, with every argument resolved:
+//! arena offsets, strides, vector width and how many units share the work. The cpu and the
+//! device backends launch the same kernels (`kernels.rs`) from these; they differ only in their
+//! `Grid`.
+
+use crate::kernels::{GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
+use crate::replay::KernelCall;
+use crate::RuntimeError;
+use graphtrain_ir::ValueId;
+use graphtrain_lowering::program::collapse;
+use graphtrain_lowering::{Access, Program, ReduceKind, Step, View};
+
+/// How a backend splits kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct Grid {
+    /// The widest vector a map or column reduction reads (8 on AVX2, 4 on wgpu).
+    pub vector: usize,
+    /// Units for a launch over `work` outputs, given the size below which the cpu backend
+    /// keeps a launch on one thread (`small`).
+    pub units: fn(work: usize, small: usize) -> u32,
+    /// Whether map kernels must guard every op from the shader compiler (`GUARD_OPS`).
+    pub guard_ops: bool,
+}
+
+impl Grid {
+    fn units(&self, work: usize, small: usize) -> u32 {
+        (self.units)(work, small)
+    }
+}
+
+/// A Program's launches on one backend's grid.
+pub struct Launches<'a> {
+    pub program: &'a Program,
+    pub grid: Grid,
+}
+
+impl Launches<'_> {
+    /// The kernel launches of a map, copy or reduce step; `None` for the other steps.
+    pub fn kernel_calls(&self, step: &Step) -> Result<Option<Vec<KernelCall>>, RuntimeError> {
+        let mut calls = Vec::new();
+        match step {
+            Step::Map {
+                out,
+                len,
+                inputs,
+                expr,
+            } => self.map_calls(*out, *len, inputs, expr, &mut calls),
+            Step::Copy { dst, src } => {
+                if src.numel() > 0 {
+                    let dims = collapse(&src.shape, &[&src.strides, &dst.strides]);
+                    self.copy_calls(
+                        &dims,
+                        self.program.elem_offset(src.base) + src.offset,
+                        self.program.elem_offset(dst.base) + dst.offset,
+                        &mut calls,
+                    );
+                }
+            }
+            Step::Reduce {
+                kind,
+                out,
+                src,
+                out_rank,
+            } => self.reduce_calls(*kind, *out, src, *out_rank, &mut calls)?,
+            _ => return Ok(None),
+        }
+        Ok(Some(calls))
+    }
+
+    fn map_calls(
+        &self,
+        out: ValueId,
+        len: usize,
+        inputs: &[graphtrain_lowering::MapInput],
+        expr: &graphtrain_lowering::Expr,
+        calls: &mut Vec<KernelCall>,
+    ) {
+        let mut offs = [0usize; 6];
+        let mut params = [1usize; 6];
+        let mut modes = 0u32;
+        // Broadcast reads stay vectorized only when a vector never straddles two source
+        // elements (outer) or two periods (inner); otherwise the whole map runs at width 1.
+        // The lowering only forms broadcasts whose period is a multiple of `BROADCAST_ALIGN`
+        // (= self.grid.vector), so that the split, and with it the rounding, matches eager.
+        let mut vectorizable = true;
+        for (k, i) in inputs.iter().enumerate() {
+            offs[k] = self.program.elem_offset(i.value);
+            let mode = match i.access {
+                Access::Full => MODE_FULL,
+                Access::Scalar => MODE_SCALAR,
+                Access::Outer { inner } => {
+                    params[k] = inner;
+                    vectorizable &= inner % self.grid.vector == 0;
+                    MODE_OUTER
+                }
+                Access::Inner { period } => {
+                    params[k] = period;
+                    vectorizable &= period % self.grid.vector == 0;
+                    MODE_INNER
+                }
+            };
+            modes |= mode << (2 * k);
+        }
+        // The row length: the first broadcast input's parameter; every broadcast input with the
+        // same parameter reads from the kernel's running row/column instead of dividing.
+        let row_len = inputs.iter().enumerate().find_map(|(k, _)| {
+            matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER).then_some(params[k])
+        });
+        if let Some(l) = row_len {
+            for (k, &p) in params.iter().enumerate().take(inputs.len()) {
+                if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == l {
+                    modes |= 1 << (ON_ROW_SHIFT + k as u32);
+                }
+            }
+        }
+        let row_len = row_len.unwrap_or(1);
+        if self.grid.guard_ops {
+            modes |= GUARD_OPS;
+        }
+        let out_off = self.program.elem_offset(out);
+        // Whole vectors first; the tail (len % self.grid.vector) with a width-1 launch of the same kernel.
+        let body = if vectorizable {
+            len / self.grid.vector * self.grid.vector
+        } else {
+            0
+        };
+        let mut push = |width: usize, start: usize, count: usize| {
+            if count == 0 {
+                return;
+            }
+            // Full inputs are addressed in vectors from `start`; the others in elements.
+            let o = |k: usize| {
+                if (modes >> (2 * k)) & 3 == MODE_FULL {
+                    (offs[k] + start) / width
+                } else {
+                    offs[k]
+                }
+            };
+            calls.push(KernelCall::Map {
+                width,
+                units: self.grid.units(count, 4096),
+                modes,
+                expr: expr.clone(),
+                args: [
+                    o(0),
+                    o(1),
+                    o(2),
+                    o(3),
+                    o(4),
+                    o(5),
+                    params[0],
+                    params[1],
+                    params[2],
+                    params[3],
+                    params[4],
+                    params[5],
+                    start,
+                    width,
+                    width.trailing_zeros() as usize,
+                    row_len,
+                    (out_off + start) / width,
+                    count / width,
+                ],
+            });
+        };
+        push(self.grid.vector, 0, body);
+        push(1, body, len - body);
+    }
+
+    /// One launch for up to four strided dims; more are peeled off on the host, one launch per
+    /// index of the outermost dim.
+    fn copy_calls(
+        &self,
+        dims: &[(usize, Vec<usize>)],
+        src: usize,
+        dst: usize,
+        calls: &mut Vec<KernelCall>,
+    ) {
+        if dims.len() > 4 {
+            let (n, st) = &dims[0];
+            for i in 0..*n {
+                self.copy_calls(&dims[1..], src + i * st[0], dst + i * st[1], calls);
+            }
+            return;
+        }
+        let len: usize = dims.iter().map(|d| d.0).product();
+        let mut n = [1usize; 4];
+        let mut s = [0usize; 4];
+        let mut t = [0usize; 4];
+        let pad = 4 - dims.len();
+        for (d, (size, st)) in dims.iter().enumerate() {
+            n[pad + d] = *size;
+            s[pad + d] = st[0];
+            t[pad + d] = st[1];
+        }
+        calls.push(KernelCall::Copy {
+            units: self.grid.units(len, 4096),
+            args: [
+                len, n[1], n[2], n[3], s[0], s[1], s[2], s[3], t[0], t[1], t[2], t[3], src, dst,
+            ],
+        });
+    }
+
+    fn reduce_calls(
+        &self,
+        kind: ReduceKind,
+        out: ValueId,
+        src: &View,
+        out_rank: usize,
+        calls: &mut Vec<KernelCall>,
+    ) -> Result<(), RuntimeError> {
+        let (keep_shape, red_shape) = src.shape.split_at(out_rank);
+        let (keep_st, red_st) = src.strides.split_at(out_rank);
+        let keep = collapse(keep_shape, &[keep_st]);
+        let red = collapse(red_shape, &[red_st]);
+        if keep.len() > 3 || red.len() > 2 {
+            return Err(RuntimeError::Backend(format!(
+                "reduce of {:?} keeping {out_rank} dims needs more strided dims than the kernel walks",
+                src.shape
+            )));
+        }
+        let len: usize = keep_shape.iter().product();
+        if len == 0 {
+            return Ok(());
+        }
+        let mut n = [1usize; 3];
+        let mut s = [0usize; 3];
+        for (d, (size, st)) in keep.iter().enumerate() {
+            n[3 - keep.len() + d] = *size;
+            s[3 - keep.len() + d] = st[0];
+        }
+        let mut m = [1usize; 2];
+        let mut q = [0usize; 2];
+        for (d, (size, st)) in red.iter().enumerate() {
+            m[2 - red.len() + d] = *size;
+            q[2 - red.len() + d] = st[0];
+        }
+        // An empty reduction (a zero-sized reduced dim) yields the identity.
+        if red_shape.contains(&0) {
+            m = [0, 1];
+        }
+        let rows = m[0] == 1 && q[1] == 1;
+        let (src_off, out_off) = (
+            self.program.elem_offset(src.base) + src.offset,
+            self.program.elem_offset(out),
+        );
+        // Outputs contiguous along the inner kept dim, reduced over outer dims: whole vectors
+        // of outputs at once when every offset and stride is in whole vectors.
+        let by_vectors = !rows
+            && s[2] == 1
+            && n[2] % self.grid.vector == 0
+            && [src_off, out_off, s[0], s[1], q[0], q[1]]
+                .iter()
+                .all(|x| x % self.grid.vector == 0);
+        let width = if by_vectors { self.grid.vector } else { 1 };
+        calls.push(KernelCall::Reduce {
+            width,
+            units: self.grid.units(len, 64),
+            is_max: kind == ReduceKind::Max,
+            rows,
+            args: [
+                len / width,
+                n[1],
+                n[2] / width,
+                s[0] / width,
+                s[1] / width,
+                if by_vectors { 1 } else { s[2] },
+                m[0],
+                m[1],
+                q[0] / width,
+                q[1] / width,
+                src_off / width,
+                out_off / width,
+            ],
+        });
+        Ok(())
+    }
+}
