@@ -410,8 +410,12 @@ where
             };
         }
     };
+    // Without RUST_LOG: errors only, less wgpu's OpenGL probe, which fails on every machine
+    // without a GL driver and logs that as an error, though wgpu then uses Vulkan.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error,wgpu_hal::gles=off"));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
     match run_command(cli.command, &registry) {

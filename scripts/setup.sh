@@ -1,9 +1,13 @@
 #!/bin/sh
-# Idempotent setup so that tracel-llvm-bundler (23.1.0-4, used by cubecl-cpu 0.11.x)
-# builds offline against Debian's LLVM 22 instead of downloading a bundle from GitHub.
-# Usage:  sh setup-llvm.sh && export XDG_DATA_HOME=<printed value>
+# Idempotent setup of what graphtrain's build and tests need from the system:
+# - Debian's LLVM 22, and a stand-in for the LLVM bundle tracel-llvm-bundler (23.1.0-4, used by
+#   cubecl-cpu 0.11.x) would download from GitHub, so the cpu backend builds offline;
+# - Mesa's lavapipe (a Vulkan driver on the CPU) and the Vulkan loader, so the wgpu backend runs
+#   on a machine without a GPU.
+# Usage:  eval "$(sh scripts/setup.sh)"   (prints the XDG_DATA_HOME the build must see, and an
+# XDG_RUNTIME_DIR, which Vulkan's loader wants to exist)
 set -eu
-PKGS="llvm-22-dev libpolly-22-dev libzstd-dev"
+PKGS="llvm-22-dev libpolly-22-dev libzstd-dev mesa-vulkan-drivers libvulkan1"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -33,3 +37,6 @@ mv -f "$DIR/bin/llvm-config.tmp" "$DIR/bin/llvm-config"
 "$DIR/bin/llvm-config" --version >/dev/null
 echo "LLVM bundle stub ready at $DIR (llvm-config $("$DIR/bin/llvm-config" --version))" >&2
 echo "export XDG_DATA_HOME=$XDG"
+RUNTIME="${XDG_RUNTIME_DIR:-/tmp/graphtrain-runtime-$(id -u)}"
+mkdir -p "$RUNTIME" && chmod 0700 "$RUNTIME"
+echo "export XDG_RUNTIME_DIR=$RUNTIME"
