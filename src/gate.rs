@@ -27,6 +27,20 @@ fn same(a: f64, b: f64, tier: Tier) -> bool {
     }
 }
 
+/// The device backends a test should run here: wgpu when it can run. Where it cannot, the test
+/// skips that part with a message, except under CI (`CI` set), which installs lavapipe: there a
+/// missing adapter is a broken setup, and this panics rather than let the test pass.
+pub fn device_backends_for_tests() -> Vec<Backend> {
+    match Backend::Wgpu.unavailable() {
+        None => vec![Backend::Wgpu],
+        Some(why) if std::env::var_os("CI").is_some() => panic!("wgpu must run under CI: {why}"),
+        Some(why) => {
+            eprintln!("skipping the wgpu part of this test: {why}");
+            Vec::new()
+        }
+    }
+}
+
 /// Runs `steps` AdamW steps with and without `pipeline`; `Err` names the first difference.
 pub fn check_pipeline(model: &Llama3Config, pipeline: &Pipeline, steps: u64) -> Result<(), String> {
     check_pipeline_on(model, pipeline, steps, Backend::Reference)

@@ -52,17 +52,8 @@ fn captured(g: &Graph) -> Graph {
     g
 }
 
-/// The device backends to test here: wgpu when it can run, nothing (with a message) when it
-/// cannot outside CI.
 fn device_backends() -> Vec<Backend> {
-    match Backend::Wgpu.unavailable() {
-        None => vec![Backend::Wgpu],
-        Some(why) if std::env::var_os("CI").is_some() => panic!("wgpu must run under CI: {why}"),
-        Some(why) => {
-            eprintln!("skipping the wgpu half of this test: {why}");
-            Vec::new()
-        }
-    }
+    gate::device_backends_for_tests()
 }
 
 fn check(name: &str, src: &str) {

@@ -50,6 +50,24 @@ fn default_pipeline_is_bitwise_identical_on_cpu_tiny_and_peer() {
     }
 }
 
+/// The same gate on wgpu (lavapipe here), `tiny` only (`peer` does not fit lavapipe's largest
+/// buffer): the default pipeline, and full activation checkpointing in front of it.
+#[test]
+fn default_pipeline_and_ac_are_bitwise_identical_on_wgpu_tiny() {
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    for backend in graphtrain::gate::device_backends_for_tests() {
+        check_pipeline_on(&tiny, &default_pipeline(), 5, backend)
+            .unwrap_or_else(|e| panic!("default on {backend}: {e}"));
+        let mut ac = PipelineSpec::parse_list("ac=full,default")
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        ac.verify_each = true;
+        check_pipeline_on(&tiny, &ac, 5, backend)
+            .unwrap_or_else(|e| panic!("ac=full,default on {backend}: {e}"));
+    }
+}
+
 /// Activation checkpointing and offload are tier 1 too: recomputation is deterministic, on the
 /// interpreter and on the cpu backend.
 #[test]
