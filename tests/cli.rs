@@ -148,6 +148,33 @@ fn run_trains_on_wgpu() {
     assert!(out.contains("step:  2 loss:"), "{out}");
 }
 
+/// A wgpu device that is named but cannot be opened is an error, not a crash.
+#[test]
+fn a_wgpu_device_that_cannot_open_is_an_error() {
+    let o = Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args([
+            "run",
+            "--config",
+            "tiny",
+            "--backend",
+            "wgpu",
+            "--steps",
+            "1",
+        ])
+        .env("CUBECL_WGPU_DEFAULT_DEVICE", "DiscreteGpu(63)")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: backend `wgpu`") && last.contains("--backend cpu"),
+        "{err}"
+    );
+    assert!(!err.contains("RecvError"), "{err}");
+}
+
 #[test]
 fn unknown_flag_and_backend_are_refused() {
     let o = graphtrain(&["run", "--config", "tiny", "--bogus"]);

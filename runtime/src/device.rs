@@ -113,7 +113,8 @@ pub struct DeviceExecutor {
 
 impl DeviceExecutor {
     pub fn new(program: Program, kind: DeviceKind) -> Result<Self, RuntimeError> {
-        let client = kind.device()?.client();
+        let device = kind.device()?;
+        let client = open(&device, kind)?;
         // Whole vectors, plus one vector holding the index-check flag.
         let len = program.arena_elems().next_multiple_of(VECTOR);
         let bytes = (len + VECTOR) * 4;
@@ -417,6 +418,32 @@ this {} device holds at most {}",
         }
         Ok(())
     }
+}
+
+/// The device's client. cubecl panics when a device it listed cannot be opened (an adapter
+/// named by `CUBECL_WGPU_DEFAULT_DEVICE` that is not there, a driver that fails): its device
+/// thread prints why, and its panic reaches this thread as a bare `RecvError`. That second
+/// panic is caught and becomes an error; its message is kept off stderr (panics on other
+/// threads still print).
+fn open(device: &cubecl::Device, kind: DeviceKind) -> Result<Client, RuntimeError> {
+    type Hook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send>;
+    let previous: std::sync::Arc<Hook> = std::sync::Arc::new(std::panic::take_hook());
+    let here = std::thread::current().id();
+    let forward = previous.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().id() != here {
+            forward(info)
+        }
+    }));
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.client()));
+    std::panic::set_hook(Box::new(move |info| previous(info)));
+    opened.map_err(|_| {
+        RuntimeError::Unavailable(format!(
+            "backend `{}` could not open its device (cubecl's reason is printed above). Or use \
+--backend cpu.",
+            kind.name()
+        ))
+    })
 }
 
 fn too_many_dims(step: &Step, rank: usize) -> RuntimeError {
