@@ -26,7 +26,7 @@ use crate::{Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
 use graphtrain_ir::{rng, HostTensor, ValueId};
-use graphtrain_lowering::program::{contiguous_strides, MAX_EXACT_INT};
+use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
 use std::time::{Duration, Instant};
 
@@ -632,20 +632,7 @@ impl Executor for CpuExecutor {
     }
 
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-        let ty = self.program.graph.ty(v).clone();
-        if t.ty != ty {
-            return Err(RuntimeError::Input(format!(
-                "value {v:?} expects {ty}, got {}",
-                t.ty
-            )));
-        }
-        if !ty.dtype.is_float() {
-            if let Some(bad) = t.data.iter().find(|x| x.abs() > MAX_EXACT_INT as f64) {
-                return Err(RuntimeError::Input(format!(
-                    "integer {bad} is beyond 2^24, which the f32 storage of this backend cannot hold exactly"
-                )));
-            }
-        }
+        crate::check_input(&self.program, v, t)?;
         self.sync()?;
         let o = self.off(v);
         let arena = self.arena_mut();

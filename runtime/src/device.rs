@@ -25,7 +25,7 @@ use crate::replay::grid;
 use crate::{Executor, RuntimeError};
 use cubecl::prelude::*;
 use graphtrain_ir::{rng, HostTensor, ValueId};
-use graphtrain_lowering::program::{contiguous_strides, MAX_EXACT_INT};
+use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step};
 
 /// The widest vector the map kernels read on a device (WGSL's `vec4`).
@@ -481,20 +481,7 @@ impl Executor for DeviceExecutor {
     }
 
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-        let ty = self.program.graph.ty(v).clone();
-        if t.ty != ty {
-            return Err(RuntimeError::Input(format!(
-                "value {v:?} expects {ty}, got {}",
-                t.ty
-            )));
-        }
-        if !ty.dtype.is_float() {
-            if let Some(bad) = t.data.iter().find(|x| x.abs() > MAX_EXACT_INT as f64) {
-                return Err(RuntimeError::Input(format!(
-                    "integer {bad} is beyond 2^24, which the f32 storage of this backend cannot hold exactly"
-                )));
-            }
-        }
+        crate::check_input(&self.program, v, t)?;
         let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
         self.write_floats(self.off(v), &data);
         Ok(())

@@ -150,6 +150,27 @@ pub fn available_memory_bytes() -> Option<usize> {
     Some(kib << 10)
 }
 
+/// Whether `t` may be written into value `v` of `p` on a compiled backend: the same type, and
+/// integers that its f32 storage holds exactly.
+pub(crate) fn check_input(p: &Program, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
+    let ty = p.graph.ty(v);
+    if &t.ty != ty {
+        return Err(RuntimeError::Input(format!(
+            "value {v:?} expects {ty}, got {}",
+            t.ty
+        )));
+    }
+    if !ty.dtype.is_float() {
+        let limit = graphtrain_lowering::program::MAX_EXACT_INT as f64;
+        if let Some(bad) = t.data.iter().find(|x| x.abs() > limit) {
+            return Err(RuntimeError::Input(format!(
+                "integer {bad} is beyond 2^24, which the f32 storage of this backend cannot hold exactly"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Bytes as MiB for messages.
 pub fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
