@@ -306,7 +306,8 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.exec.as_ref().map(|e| e.program())
     }
 
-    /// Time by step kind, when profiling was asked for (`GRAPHTRAIN_PROFILE=1`, cpu backend).
+    /// Time by step kind, when profiling was asked for (`GRAPHTRAIN_PROFILE=1`, compiled
+    /// backends).
     pub fn profile_report(&mut self) -> Option<String> {
         self.exec.as_mut().and_then(|e| e.profile_report())
     }

@@ -65,7 +65,7 @@ pub struct CpuExecutor {
     pub first_run: Option<Duration>,
     /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
     /// for finding where the time goes.
-    profile: Option<Vec<(String, Duration, usize, f64)>>,
+    profile: Option<Vec<ProfileEntry>>,
     /// `GRAPHTRAIN_PROFILE=steps`: every step other than a matmul is its own profile entry,
     /// with its index and what it does.
     profile_each_step: bool,
@@ -693,37 +693,44 @@ impl Executor for CpuExecutor {
     }
 
     fn profile_report(&mut self) -> Option<String> {
-        let p = self.profile.as_mut()?;
-        p.sort_by_key(|e| std::cmp::Reverse(e.1));
-        let total: Duration = p.iter().map(|e| e.1).sum();
-        let mut out = format!(
-            "profile over all runs but the first (each step waited for): {:.3}s\n",
-            total.as_secs_f64()
-        );
         let shown = if self.profile_each_step { 120 } else { 30 };
-        for (k, d, n, flops) in p.iter().take(shown) {
-            let rate = if *flops > 0.0 {
-                format!(
-                    "  {:.0} GFLOP/s",
-                    flops * *n as f64 / d.as_secs_f64().max(1e-12) / 1e9
-                )
-            } else {
-                String::new()
-            };
-            out += &format!(
-                "  {:>8.3}s {:>5.1}% {:>7} launches  {k}{rate}\n",
-                d.as_secs_f64(),
-                100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12),
-                n
-            );
-        }
-        Some(out)
+        Some(profile_report(self.profile.as_mut()?, shown))
     }
+}
+
+/// One profile entry: what (`profile_key`), time, launches, FLOPs per launch.
+pub(crate) type ProfileEntry = (String, Duration, usize, f64);
+
+/// The profile, slowest entries first, `shown` of them.
+pub(crate) fn profile_report(p: &mut [ProfileEntry], shown: usize) -> String {
+    p.sort_by_key(|e| std::cmp::Reverse(e.1));
+    let total: Duration = p.iter().map(|e| e.1).sum();
+    let mut out = format!(
+        "profile over all runs but the first (each step waited for): {:.3}s\n",
+        total.as_secs_f64()
+    );
+    for (k, d, n, flops) in p.iter().take(shown) {
+        let rate = if *flops > 0.0 {
+            format!(
+                "  {:.0} GFLOP/s",
+                flops * *n as f64 / d.as_secs_f64().max(1e-12) / 1e9
+            )
+        } else {
+            String::new()
+        };
+        out += &format!(
+            "  {:>8.3}s {:>5.1}% {:>7} launches  {k}{rate}\n",
+            d.as_secs_f64(),
+            100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12),
+            n
+        );
+    }
+    out
 }
 
 /// Groups steps for the profile: matmuls by shape and operand layout (with their FLOPs, so
 /// the report can give GFLOP/s), other steps by kind and size class.
-fn profile_key(p: &Program, s: &Step) -> (String, f64) {
+pub(crate) fn profile_key(p: &Program, s: &Step) -> (String, f64) {
     if let Step::Matmul {
         a,
         b,

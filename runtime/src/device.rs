@@ -17,6 +17,7 @@
 //! Ordering: every launch queues on the client's one stream, in step order; reads and host
 //! writes go through the same stream, so each sees the launches before it.
 
+use crate::cpu::{profile_key, profile_report, ProfileEntry};
 use crate::device_kernels::{
     check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
 };
@@ -27,6 +28,7 @@ use cubecl::prelude::*;
 use graphtrain_ir::{rng, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step};
+use std::time::Instant;
 
 /// The widest vector the map kernels read on a device (WGSL's `vec4`).
 const VECTOR: usize = 4;
@@ -109,6 +111,10 @@ pub struct DeviceExecutor {
     arena: cubecl::server::Handle,
     /// Elements of the arena the Program addresses; the index-check flag lives right after.
     len: usize,
+    /// With `GRAPHTRAIN_PROFILE` set, every step is waited for and timed (after the first run,
+    /// which compiles the kernels).
+    profile: Option<Vec<ProfileEntry>>,
+    runs: usize,
 }
 
 impl DeviceExecutor {
@@ -137,6 +143,8 @@ this {} device holds at most {}",
             client,
             arena,
             len,
+            profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
+            runs: 0,
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -146,6 +154,13 @@ this {} device holds at most {}",
 
     fn off(&self, v: ValueId) -> usize {
         self.program.elem_offset(v)
+    }
+
+    /// Waits for every queued launch.
+    fn sync(&self) -> Result<(), RuntimeError> {
+        cubecl::future::block_on(self.client.sync()).map_err(|e| {
+            RuntimeError::Backend(format!("a {} kernel failed: {e:?}", self.kind.name()))
+        })
     }
 
     /// The arena's elements `start..start + n`, as a handle for reads and writes.
@@ -496,15 +511,32 @@ impl Executor for DeviceExecutor {
 
     fn run(&mut self) -> Result<(), RuntimeError> {
         let steps = std::mem::take(&mut self.program.steps);
-        let result = steps
-            .iter()
-            .enumerate()
-            .try_for_each(|(i, step)| self.run_step(i, step));
+        let result = steps.iter().enumerate().try_for_each(|(i, step)| {
+            let started = Instant::now();
+            self.run_step(i, step)?;
+            if self.profile.is_some() {
+                self.sync()?;
+            }
+            if let Some(p) = self.profile.as_mut().filter(|_| self.runs > 0) {
+                let (key, flops) = profile_key(&self.program, step);
+                match p.iter_mut().find(|e| e.0 == key) {
+                    Some(e) => {
+                        e.1 += started.elapsed();
+                        e.2 += 1;
+                    }
+                    None => p.push((key, started.elapsed(), 1, flops)),
+                }
+            }
+            Ok(())
+        });
         self.program.steps = steps;
+        self.runs += 1;
         result?;
-        cubecl::future::block_on(self.client.sync()).map_err(|e| {
-            RuntimeError::Backend(format!("a {} kernel failed: {e:?}", self.kind.name()))
-        })
+        self.sync()
+    }
+
+    fn profile_report(&mut self) -> Option<String> {
+        Some(profile_report(self.profile.as_mut()?, 30))
     }
 
     fn memory_bytes(&self) -> usize {
