@@ -8,7 +8,7 @@
 //!   an error naming the step and position, never a silent wrong value;
 //! - iota and random values are computed on the host and written into the arena;
 //! - the composites the cpu backend runs as host steps (attention, rope, cross-entropy, AdamW)
-//!   are decomposed into primitives by the lowering (`Backend::keeps_composites`).
+//!   are decomposed into primitives by the lowering (`Backend::keeps_composite`).
 //!
 //! What is not done yet: the kernels are simple (one unit per output, no shared-memory tiling),
 //! so this backend is correct, not fast. It is tested on Mesa's lavapipe (a Vulkan driver
