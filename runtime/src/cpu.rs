@@ -25,7 +25,7 @@ use crate::rope;
 use crate::{Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
-use graphtrain_ir::{rng, HostTensor, ValueId};
+use graphtrain_ir::{HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
 use std::time::{Duration, Instant};
@@ -370,7 +370,7 @@ shape {:?} strides {:?}",
                 let (inner, dim) = (*inner, *dim);
                 let arena = self.arena_mut();
                 for i in 0..n {
-                    arena[oo + i] = ((i / inner.max(1)) % dim.max(1)) as f32;
+                    arena[oo + i] = crate::iota_value(i, inner, dim);
                 }
             }
             Step::Random {
@@ -382,14 +382,9 @@ shape {:?} strides {:?}",
                 let (oo, n, so) = (self.off(*out), self.numel(*out), self.off(*seed));
                 let (stream, normal) = (*stream, *normal);
                 let arena = self.arena_mut();
-                let seed = arena[so] as i64 as u64;
+                let seed = arena[so];
                 for i in 0..n {
-                    let x = if normal {
-                        rng::normal(seed, stream, i as u64)
-                    } else {
-                        rng::uniform(seed, stream, i as u64)
-                    };
-                    arena[oo + i] = x as f32;
+                    arena[oo + i] = crate::random_value(seed, stream, normal, i);
                 }
             }
             Step::Attention {

@@ -25,7 +25,7 @@ use crate::launches::{Grid, Launches};
 use crate::replay::grid;
 use crate::{Executor, RuntimeError};
 use cubecl::prelude::*;
-use graphtrain_ir::{rng, HostTensor, ValueId};
+use graphtrain_ir::{HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step};
 use std::time::Instant;
@@ -399,9 +399,7 @@ this {} device holds at most {}",
             }
             Step::Iota { out, inner, dim } => {
                 let n = g.ty(*out).numel();
-                let values: Vec<f32> = (0..n)
-                    .map(|i| ((i / inner.max(&1)) % dim.max(&1)) as f32)
-                    .collect();
+                let values: Vec<f32> = (0..n).map(|i| crate::iota_value(i, *inner, *dim)).collect();
                 self.write_floats(self.off(*out), &values);
             }
             Step::Random {
@@ -411,15 +409,9 @@ this {} device holds at most {}",
                 normal,
             } => {
                 let n = g.ty(*out).numel();
-                let seed = self.read_floats(self.off(*seed), 1)?[0] as i64 as u64;
-                let values: Vec<f32> = (0..n as u64)
-                    .map(|i| {
-                        if *normal {
-                            rng::normal(seed, *stream, i) as f32
-                        } else {
-                            rng::uniform(seed, *stream, i) as f32
-                        }
-                    })
+                let seed = self.read_floats(self.off(*seed), 1)?[0];
+                let values: Vec<f32> = (0..n)
+                    .map(|i| crate::random_value(seed, *stream, *normal, i))
                     .collect();
                 self.write_floats(self.off(*out), &values);
             }

@@ -171,6 +171,23 @@ pub(crate) fn check_input(p: &Program, v: ValueId, t: &HostTensor) -> Result<(),
     Ok(())
 }
 
+/// Element `i` of an iota step: its index along a dim of size `dim` with `inner` elements
+/// below it. Computed on the host by every compiled backend.
+pub(crate) fn iota_value(i: usize, inner: usize, dim: usize) -> f32 {
+    ((i / inner.max(1)) % dim.max(1)) as f32
+}
+
+/// Element `i` of a random step's draw from `seed` (as the f32 the arena holds it).
+pub(crate) fn random_value(seed: f32, stream: u64, normal: bool, i: usize) -> f32 {
+    let seed = seed as i64 as u64;
+    let x = if normal {
+        graphtrain_ir::rng::normal(seed, stream, i as u64)
+    } else {
+        graphtrain_ir::rng::uniform(seed, stream, i as u64)
+    };
+    x as f32
+}
+
 /// Bytes as MiB for messages.
 pub fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
