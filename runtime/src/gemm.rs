@@ -11,11 +11,11 @@
 //!   multiply-add only where the target has it in hardware, so it may differ in rounding.
 //! * Kernel: AVX-512F 12x32 if present, else AVX2+FMA 6x16, else portable 4x8; chosen once per
 //!   process (env `GRAPHTRAIN_GEMM_KERNEL=avx2|scalar` forces a narrower one, for benchmarks).
-//! * Packing buffers are kept in a process-wide pool between calls (bounded by the largest
-//!   call times the peak number of concurrent workers) to avoid page faults on every call.
+//! * Each thread keeps its packing buffer between calls (grown to the largest call it ran), to
+//!   avoid page faults on every call and to keep packed panels in the core that packed them.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 /// One operand's layout: element (row r, col c) of matrix b (batch index) lives at
 /// ptr + b*batch_stride + r*row_stride + c*col_stride  (strides in elements; either of
@@ -265,17 +265,14 @@ unsafe fn sgemm_path(
     let next = AtomicUsize::new(0);
     let task = p.task;
     let worker = || {
-        let mut buf = pool_take(buf_len);
-        let bp = buf.as_mut_ptr() as *mut f32;
-        loop {
+        with_packing_buffer(buf_len, |bp| loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
             if t >= ntasks {
                 break;
             }
             // SAFETY: tasks are disjoint; buffer holds buf_len floats.
             unsafe { task(&ctx, t, bp) };
-        }
-        pool_give(buf);
+        })
     };
     if threads == 1 {
         worker();
@@ -288,27 +285,26 @@ unsafe fn sgemm_path(
 #[repr(C, align(64))]
 struct Align64([f32; 16]);
 
-static POOL: Mutex<Vec<Vec<Align64>>> = Mutex::new(Vec::new());
-
-/// Returns a buffer of at least `len` floats, 64-byte aligned.
-fn pool_take(len: usize) -> Vec<Align64> {
-    let chunks = len.div_ceil(16);
-    let mut v = POOL
-        .lock()
-        .map(|mut p| p.pop())
-        .ok()
-        .flatten()
-        .unwrap_or_default();
-    if v.len() < chunks {
-        v.resize(chunks, Align64([0.0; 16]));
+/// Calls `f` with this thread's packing buffer, grown to at least `len` floats, 64-byte
+/// aligned. One buffer per thread, not a shared pool: a pooled buffer could go to the other
+/// core on the next call, and packing into lines that core's cache holds modified costs a
+/// cross-core transfer per line (1-3% on `peer`'s shapes, measured A/B in one process).
+fn with_packing_buffer<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
+    thread_local! {
+        static BUF: RefCell<Vec<Align64>> = const { RefCell::new(Vec::new()) };
     }
-    v
-}
-
-fn pool_give(v: Vec<Align64>) {
-    if let Ok(mut p) = POOL.lock() {
-        p.push(v);
-    }
+    let grown = |buf: &mut Vec<Align64>| {
+        let chunks = len.div_ceil(16);
+        if buf.len() < chunks {
+            buf.resize(chunks, Align64([0.0; 16]));
+        }
+        buf.as_mut_ptr() as *mut f32
+    };
+    BUF.with(|buf| match buf.try_borrow_mut() {
+        Ok(mut buf) => f(grown(&mut buf)),
+        // A GEMM inside a GEMM task on this thread (none does so today) gets its own buffer.
+        Err(_) => f(grown(&mut Vec::new())),
+    })
 }
 
 /// A panel layouts (see [`Kernel::tile`]).
