@@ -321,6 +321,56 @@ fn reductions_over_leading_trailing_and_middle_axes() {
     );
 }
 
+/// Elementwise producers of a sum or max over trailing dims run inside the reduction
+/// (`Step::MapReduce`): squares (RMSNorm's), a chain through `exp` with a per-row and a
+/// per-column broadcast (read on the row being reduced), `tanh` over two reduced dims, and
+/// enough rows to split over every core. Bitwise equal to eager's map then reduce on each
+/// backend. A row of 13 and a producer that is also an output keep their map and reduce.
+#[test]
+fn reductions_fused_with_their_producers() {
+    let src = "graph g {
+  input %x: f32[40,48]
+  input %w: f32[1,48]
+  input %r: f32[40,1]
+  input %z: f32[16,4,8]
+  input %a: f32[512,64]
+  input %b: f32[512,64]
+  input %o: f32[6,13]
+  %7: f32[40,48] = square(%x)
+  %8: f32[40,1] = reduce_sum(%7, axes=[1], keepdim=true)
+  %9: f32[40,48] = expand(%w, shape=[40,48])
+  %10: f32[40,48] = expand(%r, shape=[40,48])
+  %11: f32[40,48] = mul(%x, %9)
+  %12: f32[40,48] = sub(%11, %10)
+  %13: f32[40,48] = exp(%12)
+  %14: f32[40] = reduce_max(%13, axes=[1], keepdim=false)
+  %15: f32[16,4,8] = tanh(%z)
+  %16: f32[16] = reduce_sum(%15, axes=[1,2], keepdim=false)
+  %17: f32[512,64] = mul(%a, %b)
+  %18: f32[512] = reduce_sum(%17, axes=[1], keepdim=false)
+  %19: f32[6,13] = square(%o)
+  %20: f32[6] = reduce_sum(%19, axes=[1], keepdim=false)
+  %21: f32[16,4,8] = sigmoid(%z)
+  %22: f32[16] = reduce_max(%21, axes=[1,2], keepdim=false)
+  output a = %8
+  output b = %14
+  output c = %16
+  output d = %18
+  output e = %20
+  output f = %22
+  output g = %21
+}";
+    let g = text::parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let program = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
+    let kinds: Vec<&str> = program.steps.iter().map(|s| s.kind()).collect();
+    let count = |k: &str| kinds.iter().filter(|&&x| x == k).count();
+    // Fused: a, b, c, d. Not: e (a row of 13), f (its producer is an output).
+    assert_eq!(count("map_reduce"), 4, "{kinds:?}");
+    assert_eq!(count("reduce"), 2, "{kinds:?}");
+    check("reductions fused with their producers", src);
+}
+
 /// Sizes large enough that maps, copies and reductions split over every core (4096 elements,
 /// 64 outputs), odd so the vector tail runs too, and a copy over five strided dims (peeled into
 /// several launches).

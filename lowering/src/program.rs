@@ -246,6 +246,19 @@ pub enum Step {
         src: View,
         out_rank: usize,
     },
+    /// `out[o] = reduce over j < row_len of expr(inputs at element o·row_len + j)`, for
+    /// `o < rows`: an elementwise expression reduced over the trailing dims of its output,
+    /// which never reaches the arena. Both `rows` and `row_len` are multiples of
+    /// `BROADCAST_ALIGN`, and the elements of a row are combined in the order `Reduce` uses for
+    /// one contiguous reduced dim, so the bits equal the `Map` then `Reduce` of eager.
+    MapReduce {
+        kind: ReduceKind,
+        out: ValueId,
+        rows: usize,
+        row_len: usize,
+        inputs: Vec<MapInput>,
+        expr: Expr,
+    },
     /// `out[b] = a[b] @ b[b]`, views of rank 3 `[batch, rows, cols]` (batch stride 0: shared).
     Matmul {
         out: ValueId,
@@ -384,7 +397,9 @@ impl Step {
     /// Values this step reads from memory.
     pub fn reads(&self) -> Vec<ValueId> {
         match self {
-            Step::Map { inputs, .. } => inputs.iter().map(|i| i.value).collect(),
+            Step::Map { inputs, .. } | Step::MapReduce { inputs, .. } => {
+                inputs.iter().map(|i| i.value).collect()
+            }
             Step::Copy { src, .. } => vec![src.base],
             Step::Reduce { src, .. } => vec![src.base],
             Step::Matmul { a, b, .. } => vec![a.base, b.base],
@@ -422,6 +437,7 @@ impl Step {
     pub fn writes(&self) -> ValueId {
         match self {
             Step::Map { out, .. }
+            | Step::MapReduce { out, .. }
             | Step::Reduce { out, .. }
             | Step::Matmul { out, .. }
             | Step::Gather { out, .. }
@@ -455,6 +471,7 @@ impl Step {
             Step::Map { .. } => "map",
             Step::Copy { .. } => "copy",
             Step::Reduce { .. } => "reduce",
+            Step::MapReduce { .. } => "map_reduce",
             Step::Matmul { .. } => "matmul",
             Step::Gather { .. } => "gather",
             Step::ScatterAdd { .. } => "scatter_add",
@@ -1307,6 +1324,10 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             };
         let single_elementwise_consumer = !is_output[out.index()]
             && ((cons.len() == 1 && same_size_elementwise(cons[0])) || readers_converge);
+        // A value whose one reader sums or maxes its trailing dims is computed inside that
+        // reduction (`Step::MapReduce`): RMSNorm's squares, its gradient's products.
+        let feeds_row_reduce = !is_output[out.index()]
+            && matches!(cons.as_slice(), [c] if row_reduce_shape(g, *c).is_some());
 
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
@@ -1328,7 +1349,7 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             }
             let expr = expr.substitute(&parts);
             let (expr, inputs) = dedup_inputs(expr, inputs);
-            if single_elementwise_consumer
+            if (single_elementwise_consumer || feeds_row_reduce)
                 && inputs.len() <= MAX_MAP_INPUTS
                 && expr.size() <= MAX_EXPR_NODES
             {
@@ -1362,6 +1383,25 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                     expr,
                 });
             }
+            continue;
+        }
+
+        if let (Some((rows, row_len)), Some((expr, inputs))) =
+            (row_reduce_shape(g, k), inlined[n.inputs[0].index()].take())
+        {
+            let kind = if matches!(n.op, Op::ReduceSum { .. }) {
+                ReduceKind::Sum
+            } else {
+                ReduceKind::Max
+            };
+            steps.push(Step::MapReduce {
+                kind,
+                out,
+                rows,
+                row_len,
+                inputs,
+                expr,
+            });
             continue;
         }
 
@@ -1538,6 +1578,28 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         steps.extend(structural);
     }
     Ok(steps)
+}
+
+/// `(rows, row_len)` when node `k` sums or maxes the trailing dims of its operand, both
+/// non-zero multiples of `BROADCAST_ALIGN`: the reductions `Step::MapReduce` can take over
+/// (every backend vector width divides a row, and whole output vectors split evenly).
+fn row_reduce_shape(g: &Graph, k: usize) -> Option<(usize, usize)> {
+    let n = &g.nodes[k];
+    let (Op::ReduceSum { axes, .. } | Op::ReduceMax { axes, .. }) = &n.op else {
+        return None;
+    };
+    let shape = &g.ty(*n.inputs.first()?).shape;
+    let mut axes = axes.clone();
+    axes.sort_unstable();
+    axes.dedup();
+    let kept = shape.len().checked_sub(axes.len())?;
+    if axes.is_empty() || axes.iter().enumerate().any(|(i, &a)| a != kept + i) {
+        return None;
+    }
+    let rows: usize = shape[..kept].iter().product();
+    let row_len: usize = shape[kept..].iter().product();
+    let aligned = |x: usize| x > 0 && x.is_multiple_of(BROADCAST_ALIGN);
+    (aligned(rows) && aligned(row_len)).then_some((rows, row_len))
 }
 
 /// Merges repeated inputs (the same value read twice) into one.

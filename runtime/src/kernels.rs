@@ -51,12 +51,22 @@ pub const MODE_INNER: u32 = 3;
 /// parameter equals the launch's row length `l`: its source is then the running row (outer) or
 /// column (inner) the kernel keeps, with no division per vector.
 pub const ON_ROW_SHIFT: u32 = 16;
+/// All the on-row bits (one per input).
+const ON_ROW_BITS: u32 = 0x3f << ON_ROW_SHIFT;
 
 /// Bit of `modes` asking that every op's result in a fused expression pass through `guard`, so
 /// that the shader compiler below cubecl cannot rewrite across ops (the device backends:
 /// lavapipe's NIR fuses `a * b + c` into one FMA and `1 / (1 / x)` into `x`; the op-by-op
 /// kernels, each op alone, cannot be rewritten so, and would round differently).
 pub const GUARD_OPS: u32 = 1 << 30;
+
+/// Bits of `modes` that make a map kernel reduce its expression instead of storing it
+/// (`Step::MapReduce`): a sum or a max over rows of `l` elements, `len` rows.
+pub const REDUCE_SUM: u32 = 1 << 24;
+pub const REDUCE_MAX: u32 = 1 << 25;
+/// With `REDUCE_*`: the kernel's vectors hold 4 lanes, so each block of eight elements is two
+/// vectors (without it, vectors hold 8 lanes and a block is one vector).
+pub const REDUCE_HALVES: u32 = 1 << 26;
 
 /// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets
 /// `o*` (in vectors for full inputs, in elements otherwise) and parameters `p*` (`inner` or
@@ -292,6 +302,26 @@ pub fn map_kernel<N: Size>(
         shift,
         mask: w - 1,
     };
+    if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0) {
+        map_reduce::<N>(arena, &args, l, out, len, modes, expr);
+    } else {
+        map_store::<N>(arena, &args, l, out, len, modes, expr);
+    }
+}
+
+/// The body of `map_kernel` without `REDUCE_*`.
+#[cube]
+fn map_store<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    l: usize,
+    out: usize,
+    len: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) {
+    let w = args.w;
+    let base = args.base;
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let chunk = len.div_ceil(units);
     let start = ABSOLUTE_POS * chunk;
@@ -301,7 +331,7 @@ pub fn map_kernel<N: Size>(
     }
     // Row and column of vector `start` in rows of `l` elements, then kept up to date as `i`
     // advances by one vector (`l % w == 0`).
-    let rowed = comptime!(modes >> ON_ROW_SHIFT != 0);
+    let rowed = comptime!(modes & ON_ROW_BITS != 0);
     let mut row = 0;
     let mut col = 0;
     if comptime!(rowed) {
@@ -310,7 +340,7 @@ pub fn map_kernel<N: Size>(
         col = pos % l;
     }
     for i in start..end {
-        arena[out + i] = eval::<N>(arena, &args, i, row, col, modes, expr.clone());
+        arena[out + i] = eval::<N>(arena, args, i, row, col, modes, expr.clone());
         if comptime!(rowed) {
             col += w;
             if col == l {
@@ -318,6 +348,102 @@ pub fn map_kernel<N: Size>(
                 row += 1;
             }
         }
+    }
+}
+
+/// The body of `map_kernel` with `REDUCE_*`: `arena[out·w + o] = reduce over j < l of
+/// expr(inputs at element o·l + j)` for `o < len` (`out` in vectors, `l % 8 == 0`).
+///
+/// Order: lane `q` of the accumulator (of `lo` and `hi` with `REDUCE_HALVES`) takes the
+/// elements `j ≡ q (mod 8)` in order, and the eight partials combine as
+/// ((p0·p1)·(p2·p3))·((p4·p5)·(p6·p7)): `reduce_kernel`'s order for one contiguous reduced
+/// dim. The elements are computed in vectors of the width the eager map uses, so the bits
+/// equal a map followed by a reduce.
+#[cube]
+fn map_reduce<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    l: usize,
+    out: usize,
+    len: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) {
+    let is_max = comptime!(modes & REDUCE_MAX != 0);
+    let halves = comptime!(modes & REDUCE_HALVES != 0);
+    let w = args.w;
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    // Whole output vectors per unit, so that no two units write lanes of one vector.
+    let chunk = len.div_ceil(units).div_ceil(w) * w;
+    let start = ABSOLUTE_POS * chunk;
+    let mut end = start + chunk;
+    if end > len {
+        end = len;
+    }
+    let init = if is_max {
+        float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len)
+    } else {
+        f32::new(0.0)
+    };
+    let blocks = l / 8;
+    for o in start..end {
+        let first = o * l;
+        let mut lo = Vector::<f32, N>::new(init);
+        let mut hi = Vector::<f32, N>::new(init);
+        for b in 0..blocks {
+            let j = b * 8;
+            let x = eval::<N>(
+                arena,
+                args,
+                (first + j) >> args.shift,
+                o,
+                j,
+                modes,
+                expr.clone(),
+            );
+            lo = combine_vec::<N>(lo, x, is_max);
+            if comptime!(halves) {
+                let y = eval::<N>(
+                    arena,
+                    args,
+                    (first + j + 4) >> args.shift,
+                    o,
+                    j + 4,
+                    modes,
+                    expr.clone(),
+                );
+                hi = combine_vec::<N>(hi, y, is_max);
+            }
+        }
+        let r = if comptime!(halves) {
+            let low = combine(
+                combine(lo.extract(0usize), lo.extract(1usize), is_max),
+                combine(lo.extract(2usize), lo.extract(3usize), is_max),
+                is_max,
+            );
+            let high = combine(
+                combine(hi.extract(0usize), hi.extract(1usize), is_max),
+                combine(hi.extract(2usize), hi.extract(3usize), is_max),
+                is_max,
+            );
+            combine(low, high, is_max)
+        } else {
+            let low = combine(
+                combine(lo.extract(0usize), lo.extract(1usize), is_max),
+                combine(lo.extract(2usize), lo.extract(3usize), is_max),
+                is_max,
+            );
+            let high = combine(
+                combine(lo.extract(4usize), lo.extract(5usize), is_max),
+                combine(lo.extract(6usize), lo.extract(7usize), is_max),
+                is_max,
+            );
+            combine(low, high, is_max)
+        };
+        let v = out + (o >> args.shift);
+        let mut packed = arena[v];
+        packed.insert_dynamic(o & args.mask, r);
+        arena[v] = packed;
     }
 }
 

@@ -3,7 +3,10 @@
 //! device backends launch the same kernels (`kernels.rs`) from these; they differ only in their
 //! `Grid`.
 
-use crate::kernels::{GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT};
+use crate::kernels::{
+    GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT, REDUCE_HALVES,
+    REDUCE_MAX, REDUCE_SUM,
+};
 use crate::replay::KernelCall;
 use crate::RuntimeError;
 use graphtrain_ir::ValueId;
@@ -62,6 +65,14 @@ impl Launches<'_> {
                 src,
                 out_rank,
             } => self.reduce_calls(*kind, *out, src, *out_rank, &mut calls)?,
+            Step::MapReduce {
+                kind,
+                out,
+                rows,
+                row_len,
+                inputs,
+                expr,
+            } => self.map_reduce_calls(*kind, *out, *rows, *row_len, inputs, expr, &mut calls)?,
             _ => return Ok(None),
         }
         Ok(Some(calls))
@@ -75,48 +86,7 @@ impl Launches<'_> {
         expr: &graphtrain_lowering::Expr,
         calls: &mut Vec<KernelCall>,
     ) {
-        let mut offs = [0usize; 6];
-        let mut params = [1usize; 6];
-        let mut modes = 0u32;
-        // Broadcast reads stay vectorized only when a vector never straddles two source
-        // elements (outer) or two periods (inner); otherwise the whole map runs at width 1.
-        // The lowering only forms broadcasts whose period is a multiple of `BROADCAST_ALIGN`
-        // (= self.grid.vector), so that the split, and with it the rounding, matches eager.
-        let mut vectorizable = true;
-        for (k, i) in inputs.iter().enumerate() {
-            offs[k] = self.program.elem_offset(i.value);
-            let mode = match i.access {
-                Access::Full => MODE_FULL,
-                Access::Scalar => MODE_SCALAR,
-                Access::Outer { inner } => {
-                    params[k] = inner;
-                    vectorizable &= inner % self.grid.vector == 0;
-                    MODE_OUTER
-                }
-                Access::Inner { period } => {
-                    params[k] = period;
-                    vectorizable &= period % self.grid.vector == 0;
-                    MODE_INNER
-                }
-            };
-            modes |= mode << (2 * k);
-        }
-        // The row length: the first broadcast input's parameter; every broadcast input with the
-        // same parameter reads from the kernel's running row/column instead of dividing.
-        let row_len = inputs.iter().enumerate().find_map(|(k, _)| {
-            matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER).then_some(params[k])
-        });
-        if let Some(l) = row_len {
-            for (k, &p) in params.iter().enumerate().take(inputs.len()) {
-                if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == l {
-                    modes |= 1 << (ON_ROW_SHIFT + k as u32);
-                }
-            }
-        }
-        let row_len = row_len.unwrap_or(1);
-        if self.grid.guard_ops {
-            modes |= GUARD_OPS;
-        }
+        let (offs, params, modes, row_len, vectorizable) = self.map_modes(inputs);
         let out_off = self.program.elem_offset(out);
         // Whole vectors first; the tail (len % self.grid.vector) with a width-1 launch of the same kernel.
         let body = if vectorizable {
@@ -165,6 +135,139 @@ impl Launches<'_> {
         };
         push(self.grid.vector, 0, body);
         push(1, body, len - body);
+    }
+
+    /// The map kernel in its reducing form (`REDUCE_*`), at the grid's vector width: every
+    /// row and every broadcast period is a multiple of 8 (the lowering's `BROADCAST_ALIGN`), so
+    /// the elements are computed in the same vectors as the eager map's.
+    #[allow(clippy::too_many_arguments)]
+    fn map_reduce_calls(
+        &self,
+        kind: ReduceKind,
+        out: ValueId,
+        rows: usize,
+        row_len: usize,
+        inputs: &[graphtrain_lowering::MapInput],
+        expr: &graphtrain_lowering::Expr,
+        calls: &mut Vec<KernelCall>,
+    ) -> Result<(), RuntimeError> {
+        let width = self.grid.vector;
+        let out_off = self.program.elem_offset(out);
+        let (offs, params, mut modes, _, vectorizable) = self.map_modes(inputs);
+        let halves = match width {
+            8 => false,
+            4 => true,
+            _ => {
+                return Err(RuntimeError::Backend(format!(
+                    "a fused reduction needs vectors of 4 or 8 lanes, this backend uses {width}"
+                )))
+            }
+        };
+        if !vectorizable || !row_len.is_multiple_of(8) || !out_off.is_multiple_of(width) {
+            return Err(RuntimeError::Backend(format!(
+                "fused reduction of {rows} rows of {row_len} does not split into whole vectors of {width}"
+            )));
+        }
+        // On-row inputs read the broadcast element (outer) or column (inner) of the row being
+        // reduced: exactly those whose period is the row length.
+        modes &= !(0x3f << ON_ROW_SHIFT);
+        for (k, &p) in params.iter().enumerate().take(inputs.len()) {
+            if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == row_len {
+                modes |= 1 << (ON_ROW_SHIFT + k as u32);
+            }
+        }
+        modes |= match kind {
+            ReduceKind::Sum => REDUCE_SUM,
+            ReduceKind::Max => REDUCE_MAX,
+        };
+        if halves {
+            modes |= REDUCE_HALVES;
+        }
+        let o = |k: usize| {
+            if (modes >> (2 * k)) & 3 == MODE_FULL {
+                offs[k] / width
+            } else {
+                offs[k]
+            }
+        };
+        calls.push(KernelCall::Map {
+            width,
+            units: self.grid.units(rows * row_len, 4096),
+            modes,
+            expr: expr.clone(),
+            args: [
+                o(0),
+                o(1),
+                o(2),
+                o(3),
+                o(4),
+                o(5),
+                params[0],
+                params[1],
+                params[2],
+                params[3],
+                params[4],
+                params[5],
+                0,
+                width,
+                width.trailing_zeros() as usize,
+                row_len,
+                out_off / width,
+                rows,
+            ],
+        });
+        Ok(())
+    }
+
+    /// Offsets, broadcast parameters and access modes of a map's inputs; the row length the
+    /// on-row inputs share; and whether the map can run in whole vectors.
+    fn map_modes(
+        &self,
+        inputs: &[graphtrain_lowering::MapInput],
+    ) -> ([usize; 6], [usize; 6], u32, usize, bool) {
+        let mut offs = [0usize; 6];
+        let mut params = [1usize; 6];
+        let mut modes = 0u32;
+        // Broadcast reads stay vectorized only when a vector never straddles two source
+        // elements (outer) or two periods (inner); otherwise the whole map runs at width 1.
+        // The lowering only forms broadcasts whose period is a multiple of `BROADCAST_ALIGN`
+        // (= self.grid.vector), so that the split, and with it the rounding, matches eager.
+        let mut vectorizable = true;
+        for (k, i) in inputs.iter().enumerate() {
+            offs[k] = self.program.elem_offset(i.value);
+            let mode = match i.access {
+                Access::Full => MODE_FULL,
+                Access::Scalar => MODE_SCALAR,
+                Access::Outer { inner } => {
+                    params[k] = inner;
+                    vectorizable &= inner % self.grid.vector == 0;
+                    MODE_OUTER
+                }
+                Access::Inner { period } => {
+                    params[k] = period;
+                    vectorizable &= period % self.grid.vector == 0;
+                    MODE_INNER
+                }
+            };
+            modes |= mode << (2 * k);
+        }
+        // The row length: the first broadcast input's parameter; every broadcast input with the
+        // same parameter reads from the kernel's running row/column instead of dividing.
+        let row_len = inputs.iter().enumerate().find_map(|(k, _)| {
+            matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER).then_some(params[k])
+        });
+        if let Some(l) = row_len {
+            for (k, &p) in params.iter().enumerate().take(inputs.len()) {
+                if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == l {
+                    modes |= 1 << (ON_ROW_SHIFT + k as u32);
+                }
+            }
+        }
+        let row_len = row_len.unwrap_or(1);
+        if self.grid.guard_ops {
+            modes |= GUARD_OPS;
+        }
+        (offs, params, modes, row_len, vectorizable)
     }
 
     /// One launch for up to four strided dims; more are peeled off on the host, one launch per
