@@ -321,11 +321,12 @@ fn reductions_over_leading_trailing_and_middle_axes() {
     );
 }
 
-/// Elementwise producers of a sum or max over trailing dims run inside the reduction
-/// (`Step::MapReduce`): squares (RMSNorm's), a chain through `exp` with a per-row and a
-/// per-column broadcast (read on the row being reduced), `tanh` over two reduced dims, and
-/// enough rows to split over every core. Bitwise equal to eager's map then reduce on each
-/// backend. A row of 13 and a producer that is also an output keep their map and reduce.
+/// Elementwise producers of a sum or max run inside the reduction (`Step::MapReduce`), over
+/// trailing dims (one output per row) and over leading dims (one per column): squares
+/// (RMSNorm's), chains through `exp` and `tanh` with per-row and per-column broadcasts (read
+/// on the element's row or column), and enough work to split over every core. Bitwise equal to
+/// eager's map then reduce on each backend. Declined, and kept as a map and a reduce: rows of
+/// 13 or 12, a middle axis, and a producer that is also an output.
 #[test]
 fn reductions_fused_with_their_producers() {
     let src = "graph g {
@@ -336,38 +337,63 @@ fn reductions_fused_with_their_producers() {
   input %a: f32[512,64]
   input %b: f32[512,64]
   input %o: f32[6,13]
-  %7: f32[40,48] = square(%x)
-  %8: f32[40,1] = reduce_sum(%7, axes=[1], keepdim=true)
-  %9: f32[40,48] = expand(%w, shape=[40,48])
-  %10: f32[40,48] = expand(%r, shape=[40,48])
-  %11: f32[40,48] = mul(%x, %9)
-  %12: f32[40,48] = sub(%11, %10)
-  %13: f32[40,48] = exp(%12)
-  %14: f32[40] = reduce_max(%13, axes=[1], keepdim=false)
-  %15: f32[16,4,8] = tanh(%z)
-  %16: f32[16] = reduce_sum(%15, axes=[1,2], keepdim=false)
-  %17: f32[512,64] = mul(%a, %b)
-  %18: f32[512] = reduce_sum(%17, axes=[1], keepdim=false)
-  %19: f32[6,13] = square(%o)
-  %20: f32[6] = reduce_sum(%19, axes=[1], keepdim=false)
-  %21: f32[16,4,8] = sigmoid(%z)
-  %22: f32[16] = reduce_max(%21, axes=[1,2], keepdim=false)
-  output a = %8
-  output b = %14
-  output c = %16
-  output d = %18
-  output e = %20
-  output f = %22
-  output g = %21
+  input %ar: f32[512,1]
+  input %u: f32[3,5,24]
+  input %uc: f32[1,1,24]
+  input %m: f32[4,6,16]
+  input %t: f32[10,12]
+  %12: f32[40,48] = square(%x)
+  %13: f32[40,1] = reduce_sum(%12, axes=[1], keepdim=true)
+  %14: f32[40,48] = expand(%w, shape=[40,48])
+  %15: f32[40,48] = expand(%r, shape=[40,48])
+  %16: f32[40,48] = mul(%x, %14)
+  %17: f32[40,48] = sub(%16, %15)
+  %18: f32[40,48] = exp(%17)
+  %19: f32[40] = reduce_max(%18, axes=[1], keepdim=false)
+  %20: f32[16,4,8] = tanh(%z)
+  %21: f32[16] = reduce_sum(%20, axes=[1,2], keepdim=false)
+  %22: f32[512,64] = mul(%a, %b)
+  %23: f32[512] = reduce_sum(%22, axes=[1], keepdim=false)
+  %24: f32[6,13] = square(%o)
+  %25: f32[6] = reduce_sum(%24, axes=[1], keepdim=false)
+  %26: f32[16,4,8] = sigmoid(%z)
+  %27: f32[16] = reduce_max(%26, axes=[1,2], keepdim=false)
+  %28: f32[512,64] = expand(%ar, shape=[512,64])
+  %29: f32[512,64] = mul(%a, %28)
+  %30: f32[512,64] = add(%29, %b)
+  %31: f32[64] = reduce_sum(%30, axes=[0], keepdim=false)
+  %32: f32[40,48] = mul(%x, %15)
+  %33: f32[1,48] = reduce_sum(%32, axes=[0], keepdim=true)
+  %34: f32[3,5,24] = expand(%uc, shape=[3,5,24])
+  %35: f32[3,5,24] = mul(%u, %34)
+  %36: f32[3,5,24] = exp(%35)
+  %37: f32[24] = reduce_max(%36, axes=[0,1], keepdim=false)
+  %38: f32[4,6,16] = tanh(%m)
+  %39: f32[4,16] = reduce_sum(%38, axes=[1], keepdim=false)
+  %40: f32[10,12] = square(%t)
+  %41: f32[12] = reduce_sum(%40, axes=[0], keepdim=false)
+  output a = %13
+  output b = %19
+  output c = %21
+  output d = %23
+  output e = %25
+  output f = %27
+  output g = %26
+  output h = %31
+  output i = %33
+  output j = %37
+  output k = %39
+  output l = %41
 }";
     let g = text::parse(src).unwrap();
     graphtrain_ir::verify::verify(&g).unwrap();
     let program = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
     let kinds: Vec<&str> = program.steps.iter().map(|s| s.kind()).collect();
     let count = |k: &str| kinds.iter().filter(|&&x| x == k).count();
-    // Fused: a, b, c, d. Not: e (a row of 13), f (its producer is an output).
-    assert_eq!(count("map_reduce"), 4, "{kinds:?}");
-    assert_eq!(count("reduce"), 2, "{kinds:?}");
+    // Fused: a, b, c, d over rows; h, i, j over columns. Not: e and l (rows of 13 and 12),
+    // f (its producer is an output), k (a middle axis).
+    assert_eq!(count("map_reduce"), 7, "{kinds:?}");
+    assert_eq!(count("reduce"), 4, "{kinds:?}");
     check("reductions fused with their producers", src);
 }
 

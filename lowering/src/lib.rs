@@ -8,5 +8,5 @@ pub mod program;
 pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
 pub use program::{
     kept_composite, lower, lower_with, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode,
-    Program, ReduceKind, Step, View,
+    Program, ReduceKind, ReduceOver, Step, View,
 };

@@ -226,6 +226,15 @@ pub enum ReduceKind {
     Max,
 }
 
+/// Which dims of an `[outer, inner]` value a `MapReduce` reduces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOver {
+    /// The trailing ones: one output per row.
+    Inner,
+    /// The leading ones: one output per column.
+    Outer,
+}
+
 /// One launch. Values named here are materialized in the arena; outputs are contiguous.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
@@ -246,16 +255,20 @@ pub enum Step {
         src: View,
         out_rank: usize,
     },
-    /// `out[o] = reduce over j < row_len of expr(inputs at element o·row_len + j)`, for
-    /// `o < rows`: an elementwise expression reduced over the trailing dims of its output,
-    /// which never reaches the arena. Both `rows` and `row_len` are multiples of
-    /// `BROADCAST_ALIGN`, and the elements of a row are combined in the order `Reduce` uses for
-    /// one contiguous reduced dim, so the bits equal the `Map` then `Reduce` of eager.
+    /// An elementwise expression over `[outer, inner]` elements (element `r·inner + c` read
+    /// as a `Map` reads element `i`), reduced without reaching the arena:
+    /// * `ReduceOver::Inner`: `out[r] = reduce over c of expr(r, c)` (trailing dims reduced);
+    /// * `ReduceOver::Outer`: `out[c] = reduce over r of expr(r, c)` (leading dims reduced).
+    ///
+    /// `inner` is a multiple of `BROADCAST_ALIGN` (and `outer` too for `Inner`), and the
+    /// elements are combined in the order `Reduce` uses for the same shape, so the bits equal
+    /// the `Map` then `Reduce` of eager.
     MapReduce {
         kind: ReduceKind,
+        over: ReduceOver,
         out: ValueId,
-        rows: usize,
-        row_len: usize,
+        outer: usize,
+        inner: usize,
         inputs: Vec<MapInput>,
         expr: Expr,
     },
@@ -1324,10 +1337,11 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             };
         let single_elementwise_consumer = !is_output[out.index()]
             && ((cons.len() == 1 && same_size_elementwise(cons[0])) || readers_converge);
-        // A value whose one reader sums or maxes its trailing dims is computed inside that
-        // reduction (`Step::MapReduce`): RMSNorm's squares, its gradient's products.
-        let feeds_row_reduce = !is_output[out.index()]
-            && matches!(cons.as_slice(), [c] if row_reduce_shape(g, *c).is_some());
+        // A value whose one reader sums or maxes its trailing or its leading dims is computed
+        // inside that reduction (`Step::MapReduce`): RMSNorm's squares, its gradient's
+        // products, the products its weight's gradient sums over tokens.
+        let feeds_reduce = !is_output[out.index()]
+            && matches!(cons.as_slice(), [c] if fusable_reduce(g, *c).is_some());
 
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
@@ -1349,7 +1363,7 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             }
             let expr = expr.substitute(&parts);
             let (expr, inputs) = dedup_inputs(expr, inputs);
-            if (single_elementwise_consumer || feeds_row_reduce)
+            if (single_elementwise_consumer || feeds_reduce)
                 && inputs.len() <= MAX_MAP_INPUTS
                 && expr.size() <= MAX_EXPR_NODES
             {
@@ -1386,8 +1400,8 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             continue;
         }
 
-        if let (Some((rows, row_len)), Some((expr, inputs))) =
-            (row_reduce_shape(g, k), inlined[n.inputs[0].index()].take())
+        if let (Some((over, outer, inner)), Some((expr, inputs))) =
+            (fusable_reduce(g, k), inlined[n.inputs[0].index()].take())
         {
             let kind = if matches!(n.op, Op::ReduceSum { .. }) {
                 ReduceKind::Sum
@@ -1396,9 +1410,10 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
             };
             steps.push(Step::MapReduce {
                 kind,
+                over,
                 out,
-                rows,
-                row_len,
+                outer,
+                inner,
                 inputs,
                 expr,
             });
@@ -1580,10 +1595,12 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
     Ok(steps)
 }
 
-/// `(rows, row_len)` when node `k` sums or maxes the trailing dims of its operand, both
-/// non-zero multiples of `BROADCAST_ALIGN`: the reductions `Step::MapReduce` can take over
-/// (every backend vector width divides a row, and whole output vectors split evenly).
-fn row_reduce_shape(g: &Graph, k: usize) -> Option<(usize, usize)> {
+/// How `Step::MapReduce` can take over node `k`: a sum or max over the trailing dims of its
+/// operand (`Inner`) or over its leading dims (`Outer`), as `(over, outer, inner)` for the
+/// operand seen as `[outer, inner]`. `inner` must be a non-zero multiple of `BROADCAST_ALIGN`
+/// (every backend's vector width then divides a row), and for `Inner` `outer` too (whole
+/// vectors of outputs split evenly between units).
+fn fusable_reduce(g: &Graph, k: usize) -> Option<(ReduceOver, usize, usize)> {
     let n = &g.nodes[k];
     let (Op::ReduceSum { axes, .. } | Op::ReduceMax { axes, .. }) = &n.op else {
         return None;
@@ -1592,14 +1609,27 @@ fn row_reduce_shape(g: &Graph, k: usize) -> Option<(usize, usize)> {
     let mut axes = axes.clone();
     axes.sort_unstable();
     axes.dedup();
-    let kept = shape.len().checked_sub(axes.len())?;
-    if axes.is_empty() || axes.iter().enumerate().any(|(i, &a)| a != kept + i) {
+    let rank = shape.len();
+    if axes.is_empty() || axes.len() >= rank || axes.iter().any(|&a| a >= rank) {
         return None;
     }
-    let rows: usize = shape[..kept].iter().product();
-    let row_len: usize = shape[kept..].iter().product();
     let aligned = |x: usize| x > 0 && x.is_multiple_of(BROADCAST_ALIGN);
-    (aligned(rows) && aligned(row_len)).then_some((rows, row_len))
+    let split = |at: usize| {
+        (
+            shape[..at].iter().product::<usize>(),
+            shape[at..].iter().product::<usize>(),
+        )
+    };
+    let kept = rank - axes.len();
+    if axes.iter().enumerate().all(|(i, &a)| a == kept + i) {
+        let (outer, inner) = split(kept);
+        return (aligned(outer) && aligned(inner)).then_some((ReduceOver::Inner, outer, inner));
+    }
+    if axes.iter().enumerate().all(|(i, &a)| a == i) {
+        let (outer, inner) = split(axes.len());
+        return (outer > 0 && aligned(inner)).then_some((ReduceOver::Outer, outer, inner));
+    }
+    None
 }
 
 /// Merges repeated inputs (the same value read twice) into one.

@@ -67,6 +67,9 @@ pub const REDUCE_MAX: u32 = 1 << 25;
 /// With `REDUCE_*`: the kernel's vectors hold 4 lanes, so each block of eight elements is two
 /// vectors (without it, vectors hold 8 lanes and a block is one vector).
 pub const REDUCE_HALVES: u32 = 1 << 26;
+/// With `REDUCE_*`: reduce over the rows instead, one output per column (`len` rows of `l`
+/// elements).
+pub const REDUCE_OUTER: u32 = 1 << 27;
 
 /// The per-input arguments of a map kernel, gathered from its scalar launch arguments: offsets
 /// `o*` (in vectors for full inputs, in elements otherwise) and parameters `p*` (`inner` or
@@ -302,7 +305,9 @@ pub fn map_kernel<N: Size>(
         shift,
         mask: w - 1,
     };
-    if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0) {
+    if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0 && modes & REDUCE_OUTER != 0) {
+        map_reduce_outer::<N>(arena, &args, l, out, len, modes, expr);
+    } else if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0) {
         map_reduce::<N>(arena, &args, l, out, len, modes, expr);
     } else {
         map_store::<N>(arena, &args, l, out, len, modes, expr);
@@ -444,6 +449,53 @@ fn map_reduce<N: Size>(
         let mut packed = arena[v];
         packed.insert_dynamic(o & args.mask, r);
         arena[v] = packed;
+    }
+}
+
+/// The body of `map_kernel` with `REDUCE_*` and `REDUCE_OUTER`, over `len` rows of `l`
+/// elements (`l % w == 0`): output vector `v < l / w` (columns `v·w ..`) is `reduce over
+/// r < len of expr(inputs at element r·l + v·w)`. Each lane takes its rows in order from the
+/// identity, as `reduce_cols_kernel` does, and the elements are the eager map's vectors, so
+/// the bits equal a map followed by a reduce.
+#[cube]
+fn map_reduce_outer<N: Size>(
+    arena: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    l: usize,
+    out: usize,
+    len: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) {
+    let is_max = comptime!(modes & REDUCE_MAX != 0);
+    let row_vectors = l >> args.shift;
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let chunk = row_vectors.div_ceil(units);
+    let start = ABSOLUTE_POS * chunk;
+    let mut end = start + chunk;
+    if end > row_vectors {
+        end = row_vectors;
+    }
+    let init = if is_max {
+        Vector::<f32, N>::new(float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len))
+    } else {
+        Vector::<f32, N>::new(0.0)
+    };
+    for v in start..end {
+        let mut acc = init;
+        for r in 0..len {
+            let x = eval::<N>(
+                arena,
+                args,
+                r * row_vectors + v,
+                r,
+                v * args.w,
+                modes,
+                expr.clone(),
+            );
+            acc = combine_vec::<N>(acc, x, is_max);
+        }
+        arena[out + v] = acc;
     }
 }
 

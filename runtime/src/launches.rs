@@ -5,13 +5,13 @@
 
 use crate::kernels::{
     GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT, REDUCE_HALVES,
-    REDUCE_MAX, REDUCE_SUM,
+    REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
 };
 use crate::replay::KernelCall;
 use crate::RuntimeError;
 use graphtrain_ir::ValueId;
 use graphtrain_lowering::program::collapse;
-use graphtrain_lowering::{Access, Program, ReduceKind, Step, View};
+use graphtrain_lowering::{Access, Program, ReduceKind, ReduceOver, Step, View};
 
 /// How a backend splits kernels.
 #[derive(Clone, Copy, Debug)]
@@ -67,12 +67,20 @@ impl Launches<'_> {
             } => self.reduce_calls(*kind, *out, src, *out_rank, &mut calls)?,
             Step::MapReduce {
                 kind,
+                over,
                 out,
-                rows,
-                row_len,
+                outer,
+                inner,
                 inputs,
                 expr,
-            } => self.map_reduce_calls(*kind, *out, *rows, *row_len, inputs, expr, &mut calls)?,
+            } => self.map_reduce_calls(
+                (*kind, *over),
+                *out,
+                (*outer, *inner),
+                inputs,
+                expr,
+                &mut calls,
+            )?,
             _ => return Ok(None),
         }
         Ok(Some(calls))
@@ -137,16 +145,14 @@ impl Launches<'_> {
         push(1, body, len - body);
     }
 
-    /// The map kernel in its reducing form (`REDUCE_*`), at the grid's vector width: every
-    /// row and every broadcast period is a multiple of 8 (the lowering's `BROADCAST_ALIGN`), so
+    /// The map kernel in its reducing form (`REDUCE_*`), at the grid's vector width: rows are a
+    /// multiple of 8 long (the lowering's `BROADCAST_ALIGN`), as is every broadcast period, so
     /// the elements are computed in the same vectors as the eager map's.
-    #[allow(clippy::too_many_arguments)]
     fn map_reduce_calls(
         &self,
-        kind: ReduceKind,
+        (kind, over): (ReduceKind, ReduceOver),
         out: ValueId,
-        rows: usize,
-        row_len: usize,
+        (outer, inner): (usize, usize),
         inputs: &[graphtrain_lowering::MapInput],
         expr: &graphtrain_lowering::Expr,
         calls: &mut Vec<KernelCall>,
@@ -154,25 +160,27 @@ impl Launches<'_> {
         let width = self.grid.vector;
         let out_off = self.program.elem_offset(out);
         let (offs, params, mut modes, _, vectorizable) = self.map_modes(inputs);
-        let halves = match width {
-            8 => false,
-            4 => true,
+        // Inner: each block of eight elements is one vector of 8 lanes or two of 4, to keep
+        // `reduce_kernel`'s eight partials.
+        let halves = match (over, width) {
+            (ReduceOver::Outer, _) | (ReduceOver::Inner, 8) => false,
+            (ReduceOver::Inner, 4) => true,
             _ => {
                 return Err(RuntimeError::Backend(format!(
-                    "a fused reduction needs vectors of 4 or 8 lanes, this backend uses {width}"
+                    "a reduction over rows fused with its producer needs vectors of 4 or 8 lanes, this backend uses {width}"
                 )))
             }
         };
-        if !vectorizable || !row_len.is_multiple_of(8) || !out_off.is_multiple_of(width) {
+        if !vectorizable || !inner.is_multiple_of(width) || !out_off.is_multiple_of(width) {
             return Err(RuntimeError::Backend(format!(
-                "fused reduction of {rows} rows of {row_len} does not split into whole vectors of {width}"
+                "fused reduction of {outer} x {inner} elements does not split into whole vectors of {width}"
             )));
         }
-        // On-row inputs read the broadcast element (outer) or column (inner) of the row being
-        // reduced: exactly those whose period is the row length.
+        // On-row inputs read the broadcast element (outer access) or column (inner access) of
+        // the element's row: exactly those whose period is the row length.
         modes &= !(0x3f << ON_ROW_SHIFT);
         for (k, &p) in params.iter().enumerate().take(inputs.len()) {
-            if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == row_len {
+            if matches!((modes >> (2 * k)) & 3, MODE_OUTER | MODE_INNER) && p == inner {
                 modes |= 1 << (ON_ROW_SHIFT + k as u32);
             }
         }
@@ -183,6 +191,9 @@ impl Launches<'_> {
         if halves {
             modes |= REDUCE_HALVES;
         }
+        if over == ReduceOver::Outer {
+            modes |= REDUCE_OUTER;
+        }
         let o = |k: usize| {
             if (modes >> (2 * k)) & 3 == MODE_FULL {
                 offs[k] / width
@@ -192,7 +203,8 @@ impl Launches<'_> {
         };
         calls.push(KernelCall::Map {
             width,
-            units: self.grid.units(rows * row_len, 4096),
+            // Units split the outputs (a unit past the last output has nothing to do).
+            units: self.grid.units(outer * inner, 4096),
             modes,
             expr: expr.clone(),
             args: [
@@ -211,9 +223,9 @@ impl Launches<'_> {
                 0,
                 width,
                 width.trailing_zeros() as usize,
-                row_len,
+                inner,
                 out_off / width,
-                rows,
+                outer,
             ],
         });
         Ok(())
