@@ -971,11 +971,7 @@ fn structural_steps(
             return Ok(steps);
         }
         Op::ReduceSum { axes, .. } | Op::ReduceMax { axes, .. } => {
-            let kind = if matches!(n.op, Op::ReduceSum { .. }) {
-                ReduceKind::Sum
-            } else {
-                ReduceKind::Max
-            };
+            let kind = reduce_kind(&n.op);
             let src = view_of(n.inputs[0]);
             // Kept axes first, reduced axes last, each group in order.
             let rank = src.shape.len();
@@ -1403,13 +1399,8 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         if let (Some((over, outer, inner)), Some((expr, inputs))) =
             (fusable_reduce(g, k), inlined[n.inputs[0].index()].take())
         {
-            let kind = if matches!(n.op, Op::ReduceSum { .. }) {
-                ReduceKind::Sum
-            } else {
-                ReduceKind::Max
-            };
             steps.push(Step::MapReduce {
-                kind,
+                kind: reduce_kind(&n.op),
                 over,
                 out,
                 outer,
@@ -1593,6 +1584,15 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
         steps.extend(structural);
     }
     Ok(steps)
+}
+
+/// The reduction a `reduce_sum` or `reduce_max` performs.
+fn reduce_kind(op: &Op) -> ReduceKind {
+    if matches!(op, Op::ReduceSum { .. }) {
+        ReduceKind::Sum
+    } else {
+        ReduceKind::Max
+    }
 }
 
 /// How `Step::MapReduce` can take over node `k`: a sum or max over the trailing dims of its

@@ -31,6 +31,43 @@ impl Grid {
     }
 }
 
+/// A `map_kernel` launch: `(width, units, modes, expr)`, the six input offsets and broadcast
+/// parameters, then `[base, l, out, len]` (see `map_kernel`).
+fn map_call(
+    (width, units, modes, expr): (usize, u32, u32, &graphtrain_lowering::Expr),
+    offsets: [usize; 6],
+    params: [usize; 6],
+    [base, l, out, len]: [usize; 4],
+) -> KernelCall {
+    let (o, p) = (offsets, params);
+    KernelCall::Map {
+        width,
+        units,
+        modes,
+        expr: expr.clone(),
+        args: [
+            o[0],
+            o[1],
+            o[2],
+            o[3],
+            o[4],
+            o[5],
+            p[0],
+            p[1],
+            p[2],
+            p[3],
+            p[4],
+            p[5],
+            base,
+            width,
+            width.trailing_zeros() as usize,
+            l,
+            out,
+            len,
+        ],
+    }
+}
+
 /// A Program's launches on one backend's grid.
 pub struct Launches<'a> {
     pub program: &'a Program,
@@ -114,32 +151,12 @@ impl Launches<'_> {
                     offs[k]
                 }
             };
-            calls.push(KernelCall::Map {
-                width,
-                units: self.grid.units(count, 4096),
-                modes,
-                expr: expr.clone(),
-                args: [
-                    o(0),
-                    o(1),
-                    o(2),
-                    o(3),
-                    o(4),
-                    o(5),
-                    params[0],
-                    params[1],
-                    params[2],
-                    params[3],
-                    params[4],
-                    params[5],
-                    start,
-                    width,
-                    width.trailing_zeros() as usize,
-                    row_len,
-                    (out_off + start) / width,
-                    count / width,
-                ],
-            });
+            calls.push(map_call(
+                (width, self.grid.units(count, 4096), modes, expr),
+                [o(0), o(1), o(2), o(3), o(4), o(5)],
+                params,
+                [start, row_len, (out_off + start) / width, count / width],
+            ));
         };
         push(self.grid.vector, 0, body);
         push(1, body, len - body);
@@ -201,33 +218,14 @@ impl Launches<'_> {
                 offs[k]
             }
         };
-        calls.push(KernelCall::Map {
-            width,
-            // Units split the outputs (a unit past the last output has nothing to do).
-            units: self.grid.units(outer * inner, 4096),
-            modes,
-            expr: expr.clone(),
-            args: [
-                o(0),
-                o(1),
-                o(2),
-                o(3),
-                o(4),
-                o(5),
-                params[0],
-                params[1],
-                params[2],
-                params[3],
-                params[4],
-                params[5],
-                0,
-                width,
-                width.trailing_zeros() as usize,
-                inner,
-                out_off / width,
-                outer,
-            ],
-        });
+        // Units split the outputs (a unit past the last output has nothing to do).
+        let units = self.grid.units(outer * inner, 4096);
+        calls.push(map_call(
+            (width, units, modes, expr),
+            [o(0), o(1), o(2), o(3), o(4), o(5)],
+            params,
+            [0, inner, out_off / width, outer],
+        ));
         Ok(())
     }
 
