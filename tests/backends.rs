@@ -321,6 +321,37 @@ fn reductions_over_leading_trailing_and_middle_axes() {
     );
 }
 
+/// A unary op of a value in memory with several elementwise readers (SiLU's output, read by
+/// the forward product and by its gradient's) is recomputed by each reader instead of stored:
+/// two maps, not three, with the same bits as eager, which stores it. A reader of another size
+/// (the reduction) keeps it stored.
+#[test]
+fn a_unary_read_by_several_maps_is_recomputed() {
+    let src = "graph g {
+  input %x: f32[3,40]
+  input %y: f32[3,40]
+  input %z: f32[3,40]
+  %3: f32[3,40] = silu(%x)
+  %4: f32[3,40] = mul(%3, %y)
+  %5: f32[3,40] = sub(%z, %3)
+  %6: f32[3,40] = exp(%x)
+  %7: f32[3,40] = mul(%6, %y)
+  %8: f32[3] = reduce_max(%6, axes=[1], keepdim=false)
+  output a = %4
+  output b = %5
+  output c = %7
+  output d = %8
+}";
+    let g = text::parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let program = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
+    let kinds: Vec<&str> = program.steps.iter().map(|s| s.kind()).collect();
+    let count = |k: &str| kinds.iter().filter(|&&x| x == k).count();
+    // a, b and c each one map; exp stored for the reduction, which is not elementwise.
+    assert_eq!(count("map"), 4, "{kinds:?}");
+    check("unary read twice", src);
+}
+
 /// Elementwise producers of a sum or max run inside the reduction (`Step::MapReduce`), over
 /// trailing dims (one output per row) and over leading dims (one per column): squares
 /// (RMSNorm's), chains through `exp` and `tanh` with per-row and per-column broadcasts (read

@@ -1331,8 +1331,20 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                     }
                 })
             };
+        // A unary op of a value that stays in memory anyway, read only by elementwise ops of
+        // its size (SiLU's output, read by the forward product and by its gradient's): each
+        // reader recomputes it, which costs one op per element where storing it costs a
+        // write, a read and its bytes in the arena until the backward.
+        let recomputed_by_readers = cons.len() > 1
+            && cons.iter().all(|&c| same_size_elementwise(c))
+            && matches!(elementwise_expr(g, k), Some(Expr::Unary(..)))
+            && n.inputs.len() == 1
+            && inlined[n.inputs[0].index()].is_none()
+            && absorbed[n.inputs[0].index()].is_none();
         let single_elementwise_consumer = !is_output[out.index()]
-            && ((cons.len() == 1 && same_size_elementwise(cons[0])) || readers_converge);
+            && ((cons.len() == 1 && same_size_elementwise(cons[0]))
+                || readers_converge
+                || recomputed_by_readers);
         // A value whose one reader sums or maxes its trailing or its leading dims is computed
         // inside that reduction (`Step::MapReduce`): RMSNorm's squares, its gradient's
         // products, the products its weight's gradient sums over tokens.
@@ -1777,8 +1789,10 @@ mod tests {
     }
 
     /// A value whose two readers' chains meet in one node (SiLU's gradient) is computed inside
-    /// that node's kernel: one map, no `sigmoid` step. A value with two readers that stay apart
-    /// is materialized once. Numerics: tests/backends.rs (`converging_readers`).
+    /// that node's kernel: one map, no `sigmoid` step. A unary op of a value in memory whose
+    /// readers stay apart is recomputed by each (no `exp` step); a binary one is materialized
+    /// once (`%8`). Numerics: tests/backends.rs (`converging_readers`,
+    /// `a_unary_read_by_several_maps_is_recomputed`).
     #[test]
     fn a_value_read_twice_on_the_way_to_one_node_is_inlined() {
         let g = graphtrain_ir::text::parse(
@@ -1791,15 +1805,20 @@ mod tests {
   %5: f32[7] = exp(%x)
   %6: f32[7] = neg(%5)
   %7: f32[7] = sqrt(%5)
+  %8: f32[7] = mul(%x, %5)
+  %9: f32[7] = neg(%8)
+  %10: f32[7] = sqrt(%8)
   output a = %4
   output b = %6
   output c = %7
+  output d = %9
+  output e = %10
 }",
         )
         .unwrap();
         let p = lower(&g, Mode::Fused).unwrap();
         let outs: Vec<u32> = p.steps.iter().map(|s| s.writes().0).collect();
-        assert_eq!(outs, vec![4, 5, 6, 7], "{:?}", p.steps);
+        assert_eq!(outs, vec![4, 6, 7, 8, 9, 10], "{:?}", p.steps);
     }
 
     #[test]
