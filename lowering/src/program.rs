@@ -1331,16 +1331,21 @@ fn fused_steps(g: &Graph, folded: &[bool]) -> Result<Vec<Step>, LowerError> {
                     }
                 })
             };
-        // A unary op of a value that stays in memory anyway, read only by elementwise ops of
-        // its size (SiLU's output, read by the forward product and by its gradient's): each
-        // reader recomputes it, which costs one op per element where storing it costs a
-        // write, a read and its bytes in the arena until the backward.
+        // One op over values in memory, at most one of them full-size (the others broadcast or
+        // single elements), read only by elementwise ops of its size: each reader recomputes
+        // it, which costs one op per element where storing it costs a write, a read and its
+        // bytes in the arena until the backward. SiLU's output, read by the forward product
+        // and by its gradient's; RMSNorm's `x · rstd`, read by the weight's product and by the
+        // weight's gradient. The operands it keeps alive are no larger than the value.
         let recomputed_by_readers = cons.len() > 1
             && cons.iter().all(|&c| same_size_elementwise(c))
-            && matches!(elementwise_expr(g, k), Some(Expr::Unary(..)))
-            && n.inputs.len() == 1
-            && inlined[n.inputs[0].index()].is_none()
-            && absorbed[n.inputs[0].index()].is_none();
+            && elementwise_expr(g, k).is_some_and(|e| e.size() <= 3)
+            && n.inputs.iter().all(|&v| inlined[v.index()].is_none())
+            && n.inputs
+                .iter()
+                .filter(|&&v| operand(&absorbed, v, out_len).access == Access::Full)
+                .count()
+                <= 1;
         let single_elementwise_consumer = !is_output[out.index()]
             && ((cons.len() == 1 && same_size_elementwise(cons[0]))
                 || readers_converge
