@@ -134,6 +134,28 @@ fn load<N: Size>(
     }
 }
 
+/// A unit's share of a launch: items `start..end`.
+#[derive(CubeType, Clone, Copy)]
+struct Span {
+    start: usize,
+    end: usize,
+}
+
+/// The contiguous share of `len` items that this unit takes, in whole multiples of `multiple`
+/// (the last unit's may be shorter, a unit past the end gets none). Contiguous chunks, not one
+/// item per unit: on cubecl-cpu a unit is a worker thread (see the module's doc).
+#[cube]
+fn unit_span(len: usize, multiple: usize) -> Span {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let chunk = len.div_ceil(units).div_ceil(multiple) * multiple;
+    let start = ABSOLUTE_POS * chunk;
+    let mut end = start + chunk;
+    if end > len {
+        end = len;
+    }
+    Span { start, end }
+}
+
 /// `x` with its defining op hidden from cubecl's optimizer: a bit-for-bit round trip through
 /// `u32` that LLVM folds away. cubecl-opt's `InstCombine` turns a single-use product feeding an
 /// add or subtract into one FMA (one rounding where the op-by-op kernels round twice); it matches
@@ -327,24 +349,18 @@ fn map_store<N: Size>(
 ) {
     let w = args.w;
     let base = args.base;
-    let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = len.div_ceil(units);
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > len {
-        end = len;
-    }
+    let span = unit_span(len, 1);
     // Row and column of vector `start` in rows of `l` elements, then kept up to date as `i`
     // advances by one vector (`l % w == 0`).
     let rowed = comptime!(modes & ON_ROW_BITS != 0);
     let mut row = 0;
     let mut col = 0;
     if comptime!(rowed) {
-        let pos = base + start * w;
+        let pos = base + span.start * w;
         row = pos / l;
         col = pos % l;
     }
-    for i in start..end {
+    for i in span.start..span.end {
         arena[out + i] = eval::<N>(arena, args, i, row, col, modes, expr.clone());
         if comptime!(rowed) {
             col += w;
@@ -377,21 +393,15 @@ fn map_reduce<N: Size>(
     let is_max = comptime!(modes & REDUCE_MAX != 0);
     let halves = comptime!(modes & REDUCE_HALVES != 0);
     let w = args.w;
-    let units = CUBE_DIM as usize * CUBE_COUNT;
     // Whole output vectors per unit, so that no two units write lanes of one vector.
-    let chunk = len.div_ceil(units).div_ceil(w) * w;
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > len {
-        end = len;
-    }
+    let span = unit_span(len, w);
     let init = if is_max {
         float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len)
     } else {
         f32::new(0.0)
     };
     let blocks = l / 8;
-    for o in start..end {
+    for o in span.start..span.end {
         let first = o * l;
         let mut lo = Vector::<f32, N>::new(init);
         let mut hi = Vector::<f32, N>::new(init);
@@ -469,19 +479,13 @@ fn map_reduce_outer<N: Size>(
 ) {
     let is_max = comptime!(modes & REDUCE_MAX != 0);
     let row_vectors = l >> args.shift;
-    let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = row_vectors.div_ceil(units);
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > row_vectors {
-        end = row_vectors;
-    }
+    let span = unit_span(row_vectors, 1);
     let init = if is_max {
         Vector::<f32, N>::new(float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len))
     } else {
         Vector::<f32, N>::new(0.0)
     };
-    for v in start..end {
+    for v in span.start..span.end {
         let mut acc = init;
         for r in 0..len {
             let x = eval::<N>(
@@ -522,14 +526,8 @@ pub fn copy_kernel(
     dst: usize,
 ) {
     let rows = len / n3;
-    let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = rows.div_ceil(units);
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > rows {
-        end = rows;
-    }
-    for r in start..end {
+    let span = unit_span(rows, 1);
+    for r in span.start..span.end {
         let i2 = r % n2;
         let q = r / n2;
         let i1 = q % n1;
@@ -578,19 +576,13 @@ pub fn reduce_kernel(
     #[comptime] is_max: bool,
     #[comptime] rows: bool,
 ) {
-    let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = len.div_ceil(units);
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > len {
-        end = len;
-    }
+    let span = unit_span(len, 1);
     let init = if is_max {
         float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len)
     } else {
         f32::new(0.0)
     };
-    for o in start..end {
+    for o in span.start..span.end {
         let i2 = o % n2;
         let r = o / n2;
         let i1 = r % n1;
@@ -671,19 +663,13 @@ pub fn reduce_cols_kernel<N: Size>(
     out: usize,
     #[comptime] is_max: bool,
 ) {
-    let units = CUBE_DIM as usize * CUBE_COUNT;
-    let chunk = len.div_ceil(units);
-    let start = ABSOLUTE_POS * chunk;
-    let mut end = start + chunk;
-    if end > len {
-        end = len;
-    }
+    let span = unit_span(len, 1);
     let init = if is_max {
         Vector::<f32, N>::new(float_bits(comptime!(f32::NEG_INFINITY.to_bits()), len))
     } else {
         Vector::<f32, N>::new(0.0)
     };
-    for o in start..end {
+    for o in span.start..span.end {
         let i2 = o % n2;
         let r = o / n2;
         let i1 = r % n1;
