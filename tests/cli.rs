@@ -122,12 +122,7 @@ fn unknown_model_lists_the_known_ones() {
 /// exists, except under CI, which installs lavapipe.
 #[test]
 fn run_trains_on_wgpu() {
-    if let Some(why) = graphtrain_runtime::Backend::Wgpu.unavailable() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "wgpu must run under CI: {why}"
-        );
-        eprintln!("skipping: {why}");
+    if graphtrain::gate::device_backends_for_tests().is_empty() {
         return;
     }
     let o = graphtrain(&[
