@@ -15,8 +15,9 @@ done
 if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "installing:$missing" >&2
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends $missing
+  # apt writes progress to stdout, which the caller evals: send it to stderr.
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends $missing >&2
 else
   echo "apt packages already installed" >&2
 fi
