@@ -8,25 +8,38 @@
 /// above 88.37 the result is infinite.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.3, 88.7);
+    let x = x.clamp(EXP_MIN, EXP_MAX);
     let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let p = 1.987_569_1e-4_f32;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p * r + c;
+    }
     let y = p * (r * r) + r + 1.0;
     y * pow2(n)
 }
 
+const EXP_MIN: f32 = -87.3;
+const EXP_MAX: f32 = 88.7;
+/// ln 2 split in two, so that `n * LN2_HI` is exact.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+/// 1.5 * 2^23: adding it to an integral float puts the integer in the low mantissa bits.
+const MAGIC: f32 = 12_582_912.0;
+
 /// `2^n` for an integral `n` in -126..=128, built in the exponent bits. `n as i32` would be a
 /// saturating conversion, which LLVM leaves scalar (8 conversions per vector: it made `exp`
-/// 3 ns per element); adding 1.5 * 2^23 puts `n` exactly in the low mantissa bits instead.
+/// 3 ns per element); adding `MAGIC` puts `n` exactly in the low mantissa bits instead.
 #[inline(always)]
 fn pow2(n: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
     let n = (n + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits());
     f32::from_bits(n.wrapping_add(127) << 23)
 }
@@ -112,9 +125,88 @@ pub(crate) fn row_dot<const AVX2: bool>(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{combine, LANES};
+pub(crate) mod x86 {
+    use super::*;
     use std::arch::x86_64::*;
+
+    /// [`exp`] on sixteen lanes, op for op (a multiply and an add, never fused; `max` and `min`
+    /// with the bound first, which keeps a NaN as `clamp` does), so every lane gets the scalar
+    /// function's bits.
+    ///
+    /// # Safety
+    /// The cpu has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_min_ps(
+            _mm512_set1_ps(EXP_MAX),
+            _mm512_max_ps(_mm512_set1_ps(EXP_MIN), x),
+        );
+        // Round toward -inf (1), exceptions suppressed (8): `floor`.
+        let n = _mm512_roundscale_ps::<0x09>(_mm512_add_ps(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+            _mm512_set1_ps(0.5),
+        ));
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI))),
+            _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)),
+        );
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+        }
+        let y = _mm512_add_ps(
+            _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
+            _mm512_set1_ps(1.0),
+        );
+        let n = _mm512_sub_epi32(
+            _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(MAGIC))),
+            _mm512_set1_epi32(MAGIC.to_bits() as i32),
+        );
+        let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127)));
+        _mm512_mul_ps(y, _mm512_castsi512_ps(pow2))
+    }
+
+    /// One softmax row on sixteen lanes: `x * scale`, `exp(x - max)`, `/ sum` over the
+    /// `live` elements, zeros past them. Why: `exp` is most of a softmax's work, and LLVM's
+    /// vectorization of the scalar loop runs eight lanes at most, with a scalar tail that causal
+    /// rows (lengths changing one by one) hit on every row. Here the last group of a row is
+    /// masked instead. Each element goes through the scalar ops, the max is exact whatever
+    /// the order, and the sum is [`reduce`]'s eight lanes in its order, so this gives the
+    /// portable loops' bits (`attention.rs` tests it).
+    ///
+    /// # Safety
+    /// The cpu has AVX-512F; `live <= row.len()`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn softmax16(row: &mut [f32], live: usize, scale: f32) {
+        let x = row.as_mut_ptr();
+        let groups = live.div_ceil(16);
+        // Lanes of group `g` that hold live elements.
+        let mask = |g: usize| -> __mmask16 { (u32::MAX >> (32 - (live - g * 16).min(16))) as u16 };
+        // SAFETY (every masked load and store below): the mask covers `g*16 .. live` only.
+        let (vscale, mut vmax) = (_mm512_set1_ps(scale), _mm512_set1_ps(f32::NEG_INFINITY));
+        for g in 0..groups {
+            let (k, at) = (mask(g), unsafe { x.add(g * 16) });
+            let v = _mm512_mul_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, vscale);
+            unsafe { _mm512_mask_storeu_ps(at, k, v) };
+            vmax = _mm512_mask_max_ps(vmax, k, vmax, v);
+        }
+        let vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        for g in 0..groups {
+            let (k, at) = (mask(g), unsafe { x.add(g * 16) });
+            let v = unsafe { exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, at), vmax)) };
+            unsafe { _mm512_mask_storeu_ps(at, k, v) };
+        }
+        // SAFETY: AVX-512F implies AVX2.
+        let sum = _mm512_set1_ps(unsafe { reduce(&row[..live], &[], Reduce::Sum) });
+        for g in 0..groups {
+            let (k, at) = (mask(g), unsafe { x.add(g * 16) });
+            let v = _mm512_div_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, sum);
+            unsafe { _mm512_mask_storeu_ps(at, k, v) };
+        }
+        row[live..].fill(0.0);
+    }
 
     #[derive(Clone, Copy, PartialEq)]
     pub enum Reduce {
@@ -208,6 +300,41 @@ pub(crate) mod tests {
                 dot(&a, &b),
             ];
             assert_eq!(fast.map(f32::to_bits), slow.map(f32::to_bits), "len {len}");
+        }
+    }
+
+    /// The sixteen-lane `exp` gives the scalar one's bits, over the whole range and past it.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exp16_matches_the_scalar_exp_bit_for_bit() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut xs: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001_01).collect();
+        xs.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            0.0,
+            1e-30,
+            88.7,
+            -87.3,
+        ]);
+        xs.resize(xs.len().next_multiple_of(16), 1.0);
+        for group in xs.chunks_exact(16) {
+            let mut got = [0f32; 16];
+            // SAFETY: AVX-512F checked above; both arrays hold sixteen floats.
+            unsafe {
+                _mm512_storeu_ps(
+                    got.as_mut_ptr(),
+                    x86::exp16(_mm512_loadu_ps(group.as_ptr())),
+                )
+            };
+            for (g, &x) in got.iter().zip(group) {
+                assert_eq!(g.to_bits(), exp(x).to_bits(), "exp({x})");
+            }
         }
     }
 
