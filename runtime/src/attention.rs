@@ -171,9 +171,10 @@ unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
 }
 
 /// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head), scaled
-/// and masked in place, into probabilities. Where the cpu has them, AVX-512 (`softmax16`, about
-/// half the time of the AVX2 build on `peer`'s blocks) or the AVX2 build of the same code run
-/// instead: no FMA is formed by any of them (Rust never contracts), so all give the same bits.
+/// and masked in place, into probabilities. Where the cpu has them, AVX-512 (`softmax16`: a
+/// third less time than the AVX2 build in `peer`'s step, docs/benchmarks.md) or the AVX2 build
+/// of the same code run instead. No FMA is formed by any of them (Rust never contracts; the
+/// AVX-512 code uses separate multiplies and adds), so all give the same bits.
 fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {

@@ -1,6 +1,7 @@
 //! Row arithmetic the cpu backend's host steps share (attention's softmax, cross-entropy):
 //! a vectorizable `exp`, and row maximum, sum and dot product in a fixed lane order, with an
-//! AVX2 build that gives the same bits as the portable one.
+//! AVX2 build that gives the same bits as the portable one; attention's softmax row on
+//! AVX-512 (`x86::softmax16`), with the same bits again.
 
 /// `e^x` in f32 to about 1 ulp (Cephes `expf`: range reduction by ln 2, a degree-6 polynomial,
 /// the exponent put back in the bits), written so a loop over a row vectorizes; libm's `expf`
