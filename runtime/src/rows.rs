@@ -169,12 +169,12 @@ pub(crate) mod x86 {
     }
 
     /// One softmax row on sixteen lanes: `x * scale`, `exp(x - max)`, `/ sum` over the
-    /// `live` elements, zeros past them. Why: `exp` is most of a softmax's work, and LLVM's
-    /// vectorization of the scalar loop runs eight lanes at most, with a scalar tail that causal
-    /// rows (lengths changing one by one) hit on every row. Here the last group of a row is
-    /// masked instead. Each element goes through the scalar ops, the max is exact whatever
-    /// the order, and the sum is [`reduce`]'s eight lanes in its order, so this gives the
-    /// portable loops' bits (`attention.rs` tests it).
+    /// `live` elements, zeros past them. Why: `exp`'s arithmetic is most of a softmax's time
+    /// (`perf annotate`), and LLVM vectorizes the scalar loop to eight lanes at most. A row's
+    /// last group is masked, so causal rows, whose lengths change one by one, need no scalar
+    /// tail. Each element goes through the scalar ops, the max is exact whatever the order,
+    /// and the sum is [`reduce`]'s eight lanes in its order, so this gives the portable
+    /// loops' bits (`attention.rs` tests it).
     ///
     /// # Safety
     /// The cpu has AVX-512F; `live <= row.len()`.
