@@ -11,6 +11,10 @@
 //!   multiply-add only where the target has it in hardware, so it may differ in rounding.
 //! * Kernel: AVX-512F 12x32 if present, else AVX2+FMA 6x16, else portable 4x8; chosen once per
 //!   process (env `GRAPHTRAIN_GEMM_KERNEL=avx2|scalar` forces a narrower one, for benchmarks).
+//! * Work is split into tasks that the threads claim as they go. With one batch, tasks split
+//!   only m (or only n) when the other operand is small enough: each thread then packs that
+//!   operand once per call and reuses it for all its tasks, so a core that the host slows down
+//!   for a while takes fewer tasks instead of holding the other one up (see [`split`]).
 //! * Each thread keeps its packing buffer between calls (grown to the largest call it ran), to
 //!   avoid page faults on every call and to keep packed panels in the core that packed them.
 
@@ -30,10 +34,27 @@ pub struct Layout {
 /// Minimum flops a spawned thread must get; below this, spawning costs more than it saves.
 const MIN_FLOPS_PER_THREAD: usize = 1 << 22;
 
-/// Tasks per thread. Every task packs its own A rows and B columns, so each extra task repeats
-/// packing; two per thread (to let a thread slowed by other load be helped out) cost up to 14% on
-/// `peer`'s shapes, most on the weight gradients (k = 2048), measured A/B in one process.
+/// Tasks per thread when tasks split both m and n. Every such task packs its own A rows and B
+/// columns, so each extra task repeats packing; two per thread cost up to 14% on `peer`'s
+/// shapes, most on the weight gradients (k = 2048), measured A/B in one process.
 const TASKS_PER_THREAD: usize = 1;
+
+/// Tasks per thread when tasks split only m (or only n), so that every task needs all of B (or
+/// all of A), which each worker packs once per call and keeps ([`Reuse`]). Extra tasks then
+/// repeat no packing, and the cores claim them as they go: on this VM one vCPU often gets less
+/// of the host than the other for a while, and with one task each, the faster core waited
+/// for the slower one (`Pool::run` was 5-8% of a `peer` step under `perf`).
+const REUSE_TASKS_PER_THREAD: usize = 4;
+
+/// Fewest rows (or columns) per task when a worker reuses its packed operand. Each such task
+/// streams the whole reused operand through the cache; with thinner tasks the weight gradients
+/// (k = 2048) ran at 0.81-0.94x the speed, measured A/B in one process.
+const MIN_REUSE_TASK: usize = 128;
+
+/// Largest operand, in floats (1 MiB), that a worker packs in full and keeps for a call. At
+/// 2 MiB (the weight gradients, the output head) it no longer stays in L2 between tasks, and
+/// those calls ran at 0.93-0.98x the speed; with this limit `peer`'s step still gained 2-3%.
+const MAX_REUSE_FLOATS: usize = 1 << 18;
 
 /// Largest MR*NR over all kernels (edge tiles go through a stack temp of this size).
 const MAX_TILE: usize = 12 * 32;
@@ -136,12 +157,36 @@ struct Ctx {
     sn: usize,
     /// Offset (floats) of the packed-B area inside a worker's buffer.
     b_off: usize,
+    reuse: Reuse,
+    /// With [`Reuse::A`]: floats per k block of the packed A (every row of A, MR-padded).
+    a_blk: usize,
+}
+
+/// Which operand every worker packs in full, once per call, and keeps for all its tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reuse {
+    /// Each task packs its own A rows and B columns.
+    None,
+    /// Tasks split m only, so each needs all of B.
+    B,
+    /// Tasks split n only, so each needs all of A.
+    A,
+}
+
+/// How one call is cut into tasks: `sm` x `sn` per batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Split {
+    sm: usize,
+    sn: usize,
+    reuse: Reuse,
 }
 
 // SAFETY: workers write disjoint C tiles (tasks partition batch x m x n) and only read A/B.
 unsafe impl Sync for Ctx {}
 
-type TaskFn = unsafe fn(&Ctx, usize, *mut f32);
+/// Runs task `t` in the worker's buffer; `packed` says whether this worker has already packed
+/// the operand it reuses in this call.
+type TaskFn = unsafe fn(&Ctx, usize, *mut f32, &mut bool);
 
 /// Blocking of one kernel, as plain values for the (non-generic) planner.
 struct Params {
@@ -163,6 +208,16 @@ fn params<K: Kernel>(task: TaskFn) -> Params {
         kc: K::KC,
         kcp: K::KCP,
         task,
+    }
+}
+
+fn path_params(path: Path) -> Params {
+    match path {
+        Path::Scalar => params::<Scalar>(task_scalar),
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2 => params::<x86::Avx2>(x86::task_avx2),
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => params::<x86::Avx512>(x86::task_avx512),
     }
 }
 
@@ -198,13 +253,7 @@ unsafe fn sgemm_path(
         } else {
             (batch, m, la.batch_stride)
         };
-    let p = match path {
-        Path::Scalar => params::<Scalar>(task_scalar),
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => params::<x86::Avx2>(x86::task_avx2),
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => params::<x86::Avx512>(x86::task_avx512),
-    };
+    let p = path_params(path);
     let threads = threads.max(1);
     let flops = 2usize
         .saturating_mul(batch)
@@ -213,33 +262,25 @@ unsafe fn sgemm_path(
         .saturating_mul(k);
     let threads = threads.min((flops / MIN_FLOPS_PER_THREAD).max(1));
 
-    // Partition each batch's C into sm x sn tasks of whole register-tile panels. Every task
-    // packs its own A rows (mt x k) and B columns (k x nt), so pick the split with the least
-    // packing per task, mt + nt, among those giving enough tasks; nt is capped by NC.
-    let target = if threads > 1 {
-        threads * TASKS_PER_THREAD
-    } else {
-        1
-    };
-    let need = target.div_ceil(batch);
     let (pm, pn) = (m.div_ceil(p.mr), n.div_ceil(p.nr));
-    let sn_min = n.div_ceil(p.nc);
-    let (mut sm, mut sn, mut cost) = (1, sn_min, usize::MAX);
-    for sm_try in 1..=pm.min(need) {
-        let sn_try = need.div_ceil(sm_try).clamp(sn_min, pn);
-        let c = pm.div_ceil(sm_try) * p.mr + pn.div_ceil(sn_try) * p.nr;
-        if c < cost {
-            (sm, sn, cost) = (sm_try, sn_try, c);
-        }
-    }
+    let Split { sm, sn, reuse } = split(&p, batch, m, n, k, threads);
     let ntasks = batch * sm * sn;
     let threads = threads.min(ntasks);
     let (mt, nt) = (pm.div_ceil(sm) * p.mr, pn.div_ceil(sn) * p.nr);
 
     // A block (either panel layout fits in MR*KCP floats per panel), then B block at a
-    // 64-byte boundary.
-    let b_off = (p.mc.min(mt) * p.kcp).next_multiple_of(16);
-    let buf_len = b_off + p.kc.min(k) * nt.min(p.nc);
+    // 64-byte boundary. A reused operand takes its full packed size instead.
+    let a_blk = m.next_multiple_of(p.mr) * p.kcp;
+    let a_len = match reuse {
+        Reuse::A => a_blk * k.div_ceil(p.kc),
+        _ => p.mc.min(mt) * p.kcp,
+    };
+    let b_len = match reuse {
+        Reuse::B => n.next_multiple_of(p.nr) * k,
+        _ => p.kc.min(k) * nt.min(p.nc),
+    };
+    let b_off = a_len.next_multiple_of(16);
+    let buf_len = b_off + b_len;
     let ctx = Ctx {
         m,
         n,
@@ -260,24 +301,86 @@ unsafe fn sgemm_path(
         sm,
         sn,
         b_off,
+        reuse,
+        a_blk,
     };
 
     let next = AtomicUsize::new(0);
     let task = p.task;
     let worker = || {
-        with_packing_buffer(buf_len, |bp| loop {
-            let t = next.fetch_add(1, Ordering::Relaxed);
-            if t >= ntasks {
-                break;
+        with_packing_buffer(buf_len, |bp| {
+            let mut packed = false;
+            loop {
+                let t = next.fetch_add(1, Ordering::Relaxed);
+                if t >= ntasks {
+                    break;
+                }
+                // SAFETY: tasks are disjoint; buffer holds buf_len floats.
+                unsafe { task(&ctx, t, bp, &mut packed) };
             }
-            // SAFETY: tasks are disjoint; buffer holds buf_len floats.
-            unsafe { task(&ctx, t, bp) };
         })
     };
     if threads == 1 {
         worker();
     } else {
         crate::pool::Pool::global().run(threads, &|_| worker());
+    }
+}
+
+/// Cuts one call into tasks for `threads` threads.
+///
+/// With one batch, tasks split only the larger of m and n when the other operand, packed in
+/// full, fits [`MAX_REUSE_FLOATS`]: each worker packs it once and the tasks are many and small
+/// ([`REUSE_TASKS_PER_THREAD`]). Otherwise (batches, or both operands too large) it is the least
+/// packing per task, mt + nt, among the splits that give one task per thread.
+fn split(p: &Params, batch: usize, m: usize, n: usize, k: usize, threads: usize) -> Split {
+    let (pm, pn) = (m.div_ceil(p.mr), n.div_ceil(p.nr));
+    if threads > 1 && batch == 1 {
+        // Tasks span at least MIN_REUSE_TASK rows (or columns): each task streams the whole
+        // reused operand through the cache, once per task.
+        let tasks = |len: usize, panels: usize| {
+            (len / MIN_REUSE_TASK)
+                .min(threads * REUSE_TASKS_PER_THREAD)
+                .max(threads)
+                .min(panels)
+        };
+        let by_m =
+            (pm >= threads && n.next_multiple_of(p.nr) * k <= MAX_REUSE_FLOATS).then_some(Split {
+                sm: tasks(m, pm),
+                sn: 1,
+                reuse: Reuse::B,
+            });
+        let a_len = m.next_multiple_of(p.mr) * p.kcp * k.div_ceil(p.kc);
+        let by_n = (pn >= threads && a_len <= MAX_REUSE_FLOATS).then_some(Split {
+            sm: 1,
+            sn: tasks(n, pn),
+            reuse: Reuse::A,
+        });
+        // Every worker packs the reused operand in full: reuse the smaller one.
+        let found = if n <= m { by_m.or(by_n) } else { by_n.or(by_m) };
+        if let Some(s) = found {
+            return s;
+        }
+    }
+    let target = if threads > 1 {
+        threads * TASKS_PER_THREAD
+    } else {
+        1
+    };
+    let need = target.div_ceil(batch);
+    let sn_min = n.div_ceil(p.nc);
+    let (mut sm, mut sn, mut cost) = (1, sn_min, usize::MAX);
+    for sm_try in 1..=pm.min(need) {
+        let sn_try = need.div_ceil(sm_try).clamp(sn_min, pn);
+        let c = pm.div_ceil(sm_try) * p.mr + pn.div_ceil(sn_try) * p.nr;
+        if c < cost {
+            (sm, sn, cost) = (sm_try, sn_try, c);
+        }
+    }
+    Split {
+        sm,
+        sn,
+        reuse: Reuse::None,
     }
 }
 
@@ -384,9 +487,10 @@ trait Kernel {
 /// One task: a (batch, m-tile, n-tile) block of C over the whole k range.
 ///
 /// # Safety
-/// `ctx` describes valid buffers; `buf` holds the packing space computed in `sgemm_path`.
+/// `ctx` describes valid buffers; `buf` holds the packing space computed in `sgemm_path`, and
+/// `packed` is false on this worker's first task of the call.
 #[inline(always)]
-unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
+unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
     unsafe {
         let per_batch = ctx.sm * ctx.sn;
         let bi = t / per_batch;
@@ -405,10 +509,23 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
         let abuf = buf;
         let bbuf = buf.add(ctx.b_off);
         let ldc = ctx.n;
+        let arow = ctx.a_cs == 1;
         // Row-major A is read in place when B is at most two panels wide: each A element
         // is then used once or twice, so copying it would cost about as much as the FMAs.
-        let direct = ctx.a_cs == 1 && n1 - n0 <= 2 * K::NR;
-        let arow = ctx.a_cs == 1;
+        let direct = arow && n1 - n0 <= 2 * K::NR && ctx.reuse != Reuse::A;
+
+        // Where block (jc, pc) of B sits when this worker keeps all of B (tasks span all of n,
+        // so n0 = 0): column blocks of NC x k one after another, k blocks inside each.
+        let b_cached =
+            |jc: usize, nc: usize, pc: usize| (jc - n0) * ctx.k + nc.next_multiple_of(K::NR) * pc;
+        // Where rows ic.. of k block pc of A sit when this worker keeps all of A (m0 = 0).
+        let a_cached = |ic: usize, kc: usize, pc: usize| {
+            abuf.add(pc / K::KC * ctx.a_blk + ic * if arow { K::KCP } else { kc })
+        };
+        // This worker's first task packs the reused operand block by block, just before its
+        // first use, while the block is still in cache.
+        let first = !*packed;
+        *packed = true;
 
         let mut jc = n0;
         while jc < n1 {
@@ -416,14 +533,14 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
             let mut pc = 0;
             while pc < ctx.k {
                 let kc = K::KC.min(ctx.k - pc);
-                pack_b::<K>(
-                    bbuf,
-                    b.add(pc * ctx.b_rs + jc * ctx.b_cs),
-                    ctx.b_rs,
-                    ctx.b_cs,
-                    kc,
-                    nc,
-                );
+                let bblk = match ctx.reuse {
+                    Reuse::B => bbuf.add(b_cached(jc, nc, pc)),
+                    _ => bbuf,
+                };
+                if ctx.reuse != Reuse::B || first {
+                    let src = b.add(pc * ctx.b_rs + jc * ctx.b_cs);
+                    pack_b::<K>(bblk, src, ctx.b_rs, ctx.b_cs, kc, nc);
+                }
                 let mut ic = m0;
                 while ic < m1 {
                     let mc = K::MC.min(m1 - ic);
@@ -431,13 +548,27 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
                     let cp = c.add(ic * ldc + jc);
                     let lda = ctx.a_rs;
                     let load = pc > 0;
-                    if direct {
+                    if ctx.reuse == Reuse::A {
+                        let ablk = a_cached(ic, kc, pc);
+                        if first && jc == n0 {
+                            if arow {
+                                pack_a_rows::<K>(ablk, asrc, lda, mc, kc);
+                            } else {
+                                pack_a_kmajor::<K>(ablk, asrc, lda, ctx.a_cs, mc, kc);
+                            }
+                        }
+                        if arow {
+                            macro_kernel::<K, A_ROWS>(kc, mc, nc, ablk, 0, bblk, cp, ldc, load);
+                        } else {
+                            macro_kernel::<K, A_KMAJOR>(kc, mc, nc, ablk, 0, bblk, cp, ldc, load);
+                        }
+                    } else if direct {
                         // Whole panels in place; the ragged tail (< MR rows) is copied so
                         // the kernel never reads rows past A.
                         let full = mc / K::MR * K::MR;
                         if full > 0 {
                             macro_kernel::<K, A_DIRECT>(
-                                kc, full, nc, asrc, lda, bbuf, cp, ldc, load,
+                                kc, full, nc, asrc, lda, bblk, cp, ldc, load,
                             );
                         }
                         if full < mc {
@@ -449,7 +580,7 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
                                 nc,
                                 abuf,
                                 0,
-                                bbuf,
+                                bblk,
                                 cp,
                                 ldc,
                                 load,
@@ -457,10 +588,10 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32) {
                         }
                     } else if arow {
                         pack_a_rows::<K>(abuf, asrc, lda, mc, kc);
-                        macro_kernel::<K, A_ROWS>(kc, mc, nc, abuf, 0, bbuf, cp, ldc, load);
+                        macro_kernel::<K, A_ROWS>(kc, mc, nc, abuf, 0, bblk, cp, ldc, load);
                     } else {
                         pack_a_kmajor::<K>(abuf, asrc, lda, ctx.a_cs, mc, kc);
-                        macro_kernel::<K, A_KMAJOR>(kc, mc, nc, abuf, 0, bbuf, cp, ldc, load);
+                        macro_kernel::<K, A_KMAJOR>(kc, mc, nc, abuf, 0, bblk, cp, ldc, load);
                     }
                     ic += mc;
                 }
@@ -702,8 +833,8 @@ impl Kernel for Scalar {
 
 /// # Safety
 /// See [`run_task`].
-unsafe fn task_scalar(ctx: &Ctx, t: usize, buf: *mut f32) {
-    unsafe { run_task::<Scalar>(ctx, t, buf) }
+unsafe fn task_scalar(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+    unsafe { run_task::<Scalar>(ctx, t, buf, packed) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -857,8 +988,8 @@ mod x86 {
     /// # Safety
     /// See [`run_task`]; CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn task_avx2(ctx: &Ctx, t: usize, buf: *mut f32) {
-        unsafe { run_task::<Avx2>(ctx, t, buf) }
+    pub unsafe fn task_avx2(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+        unsafe { run_task::<Avx2>(ctx, t, buf, packed) }
     }
 
     pub struct Avx512;
@@ -936,8 +1067,8 @@ mod x86 {
     /// # Safety
     /// See [`run_task`]; CPU must have AVX-512F.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn task_avx512(ctx: &Ctx, t: usize, buf: *mut f32) {
-        unsafe { run_task::<Avx512>(ctx, t, buf) }
+    pub unsafe fn task_avx512(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+        unsafe { run_task::<Avx512>(ctx, t, buf, packed) }
     }
 }
 
@@ -1197,6 +1328,11 @@ mod tests {
             (16, 256, 32, 256, false, false),
             (9, 100, 64, 70, false, true),
             (3, 130, 70, 513, true, true),
+            // One task per worker or several, reusing packed A (rows or k-major) or packed B
+            // (over several column blocks): see `splits_reuse_the_smaller_operand`.
+            (1, 130, 700, 600, false, false),
+            (1, 130, 700, 600, true, true),
+            (1, 2200, 2100, 100, false, true),
         ];
         for (s, &(batch, m, n, k, ta, tb)) in shapes.iter().enumerate() {
             let p = prob(batch, m, n, k, ta, tb, false, 0, 200 + s as u64);
@@ -1209,6 +1345,29 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn splits_reuse_the_smaller_operand() {
+        for path in paths() {
+            let p = path_params(path);
+            let reuse = |batch, m, n, k, threads| split(&p, batch, m, n, k, threads).reuse;
+            assert_eq!(reuse(1, 300, 200, 700, 2), Reuse::B, "{path:?}");
+            assert_eq!(reuse(1, 515, 260, 700, 3), Reuse::B, "{path:?}");
+            assert_eq!(reuse(1, 130, 700, 600, 2), Reuse::A, "{path:?}");
+            assert_eq!(reuse(1, 2200, 2100, 100, 8), Reuse::B, "{path:?}");
+            // Too large to keep packed, batches, one thread: one task per thread, no reuse.
+            assert_eq!(reuse(1, 2048, 2048, 2048, 2), Reuse::None, "{path:?}");
+            assert_eq!(reuse(3, 300, 200, 700, 2), Reuse::None, "{path:?}");
+            assert_eq!(reuse(1, 300, 200, 700, 1), Reuse::None, "{path:?}");
+            // Tasks are at least MIN_REUSE_TASK rows, and at least one per thread.
+            let s = split(&p, 1, 2200, 2100, 100, 8);
+            assert_eq!((s.sm, s.sn), (2200 / MIN_REUSE_TASK, 1), "{path:?}");
+            let s = split(&p, 1, 130, 700, 600, 3);
+            assert_eq!((s.sm, s.sn), (1, 5), "{path:?}");
+            let s = split(&p, 1, 300, 200, 700, 3);
+            assert_eq!((s.sm, s.sn), (3, 1), "{path:?}");
         }
     }
 
