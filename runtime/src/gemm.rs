@@ -263,7 +263,8 @@ unsafe fn sgemm_path(
     let threads = threads.min((flops / MIN_FLOPS_PER_THREAD).max(1));
 
     let (pm, pn) = (m.div_ceil(p.mr), n.div_ceil(p.nr));
-    let Split { sm, sn, reuse } = split(&p, batch, m, n, k, threads);
+    let a_rows = la.col_stride == 1;
+    let Split { sm, sn, reuse } = split(&p, batch, m, n, k, a_rows, threads);
     let ntasks = batch * sm * sn;
     let threads = threads.min(ntasks);
     let (mt, nt) = (pm.div_ceil(sm) * p.mr, pn.div_ceil(sn) * p.nr);
@@ -327,13 +328,23 @@ unsafe fn sgemm_path(
     }
 }
 
-/// Cuts one call into tasks for `threads` threads.
+/// Cuts one call into tasks for `threads` threads; `a_rows`: A is row-major, so it is read in
+/// place and never packed.
 ///
 /// With one batch, tasks split only the larger of m and n when the other operand, packed in
-/// full, fits [`MAX_REUSE_FLOATS`]: each worker packs it once and the tasks are many and small
-/// ([`REUSE_TASKS_PER_THREAD`]). Otherwise (batches, or both operands too large) it is the least
-/// packing per task, mt + nt, among the splits that give one task per thread.
-fn split(p: &Params, batch: usize, m: usize, n: usize, k: usize, threads: usize) -> Split {
+/// full, fits [`MAX_REUSE_FLOATS`] (row-major A always fits: it is not packed at all): each
+/// worker packs it once and the tasks are many and small ([`REUSE_TASKS_PER_THREAD`]).
+/// Otherwise (batches, or both operands too large) it is the least packing per task, mt + nt,
+/// among the splits that give one task per thread.
+fn split(
+    p: &Params,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a_rows: bool,
+    threads: usize,
+) -> Split {
     let (pm, pn) = (m.div_ceil(p.mr), n.div_ceil(p.nr));
     if threads > 1 && batch == 1 {
         // Tasks span at least MIN_REUSE_TASK rows (or columns): each task streams the whole
@@ -350,11 +361,15 @@ fn split(p: &Params, batch: usize, m: usize, n: usize, k: usize, threads: usize)
                 sn: 1,
                 reuse: Reuse::B,
             });
-        let a_len = m.next_multiple_of(p.mr) * p.kcp * k.div_ceil(p.kc);
+        let a_len = if a_rows {
+            0
+        } else {
+            m.next_multiple_of(p.mr) * p.kcp * k.div_ceil(p.kc)
+        };
         let by_n = (pn >= threads && a_len <= MAX_REUSE_FLOATS).then_some(Split {
             sm: 1,
             sn: tasks(n, pn),
-            reuse: Reuse::A,
+            reuse: if a_rows { Reuse::None } else { Reuse::A },
         });
         // Every worker packs the reused operand in full: reuse the smaller one.
         let found = if n <= m { by_m.or(by_n) } else { by_n.or(by_m) };
@@ -428,9 +443,9 @@ fn a_strides<K: Kernel>(mode: u8, lda: usize) -> (usize, usize) {
 /// A register-tile microkernel and its cache blocking.
 ///
 /// The kernel only broadcasts single A elements, so any A layout with fixed offsets costs
-/// the same there; A is therefore packed in whichever layout makes packing a plain copy:
-/// k-major (`p*MR + i`) for column-major A, rows (`i*KCP + p`) for row-major A, or not at
-/// all (rows read in place) when B is too narrow to amortize a copy. Packed B is always
+/// the same there. Row-major A is therefore read in place (only a ragged last panel is copied,
+/// in rows `i*KCP + p`), and column-major A is packed k-major (`p*MR + i`), which makes its
+/// packing a plain copy. Packed B is always
 /// k-major (`p*NR + j`) because the kernel loads NR-wide vectors from it, so transposed B
 /// needs a real transpose while packing.
 trait Kernel {
@@ -509,19 +524,17 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
         let abuf = buf;
         let bbuf = buf.add(ctx.b_off);
         let ldc = ctx.n;
-        let arow = ctx.a_cs == 1;
-        // Row-major A is read in place when B is at most two panels wide: each A element
-        // is then used once or twice, so copying it would cost about as much as the FMAs.
-        let direct = arow && n1 - n0 <= 2 * K::NR && ctx.reuse != Reuse::A;
+        // Row-major A is read in place, never packed: copying it cost more than its padded
+        // rows saved, at any width of B (4-7% on `peer`'s row-major shapes, one or two
+        // threads, measured A/B in one process). Only column-major A is packed, k-major.
+        let direct = ctx.a_cs == 1;
 
         // Where block (jc, pc) of B sits when this worker keeps all of B (tasks span all of n,
         // so n0 = 0): column blocks of NC x k one after another, k blocks inside each.
         let b_cached =
             |jc: usize, nc: usize, pc: usize| (jc - n0) * ctx.k + nc.next_multiple_of(K::NR) * pc;
         // Where rows ic.. of k block pc of A sit when this worker keeps all of A (m0 = 0).
-        let a_cached = |ic: usize, kc: usize, pc: usize| {
-            abuf.add(pc / K::KC * ctx.a_blk + ic * if arow { K::KCP } else { kc })
-        };
+        let a_cached = |ic: usize, kc: usize, pc: usize| abuf.add(pc / K::KC * ctx.a_blk + ic * kc);
         // This worker's first task packs the reused operand block by block, just before its
         // first use, while the block is still in cache.
         let first = !*packed;
@@ -548,21 +561,7 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
                     let cp = c.add(ic * ldc + jc);
                     let lda = ctx.a_rs;
                     let load = pc > 0;
-                    if ctx.reuse == Reuse::A {
-                        let ablk = a_cached(ic, kc, pc);
-                        if first && jc == n0 {
-                            if arow {
-                                pack_a_rows::<K>(ablk, asrc, lda, mc, kc);
-                            } else {
-                                pack_a_kmajor::<K>(ablk, asrc, lda, ctx.a_cs, mc, kc);
-                            }
-                        }
-                        if arow {
-                            macro_kernel::<K, A_ROWS>(kc, mc, nc, ablk, 0, bblk, cp, ldc, load);
-                        } else {
-                            macro_kernel::<K, A_KMAJOR>(kc, mc, nc, ablk, 0, bblk, cp, ldc, load);
-                        }
-                    } else if direct {
+                    if direct {
                         // Whole panels in place; the ragged tail (< MR rows) is copied so
                         // the kernel never reads rows past A.
                         let full = mc / K::MR * K::MR;
@@ -586,12 +585,15 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
                                 load,
                             );
                         }
-                    } else if arow {
-                        pack_a_rows::<K>(abuf, asrc, lda, mc, kc);
-                        macro_kernel::<K, A_ROWS>(kc, mc, nc, abuf, 0, bblk, cp, ldc, load);
                     } else {
-                        pack_a_kmajor::<K>(abuf, asrc, lda, ctx.a_cs, mc, kc);
-                        macro_kernel::<K, A_KMAJOR>(kc, mc, nc, abuf, 0, bblk, cp, ldc, load);
+                        let ablk = match ctx.reuse {
+                            Reuse::A => a_cached(ic, kc, pc),
+                            _ => abuf,
+                        };
+                        if ctx.reuse != Reuse::A || (first && jc == n0) {
+                            pack_a_kmajor::<K>(ablk, asrc, lda, ctx.a_cs, mc, kc);
+                        }
+                        macro_kernel::<K, A_KMAJOR>(kc, mc, nc, ablk, 0, bblk, cp, ldc, load);
                     }
                     ic += mc;
                 }
@@ -1352,22 +1354,27 @@ mod tests {
     fn splits_reuse_the_smaller_operand() {
         for path in paths() {
             let p = path_params(path);
-            let reuse = |batch, m, n, k, threads| split(&p, batch, m, n, k, threads).reuse;
-            assert_eq!(reuse(1, 300, 200, 700, 2), Reuse::B, "{path:?}");
-            assert_eq!(reuse(1, 515, 260, 700, 3), Reuse::B, "{path:?}");
-            assert_eq!(reuse(1, 130, 700, 600, 2), Reuse::A, "{path:?}");
-            assert_eq!(reuse(1, 2200, 2100, 100, 8), Reuse::B, "{path:?}");
+            let split = |batch, m, n, k, a_rows, threads| {
+                let s = split(&p, batch, m, n, k, a_rows, threads);
+                (s.sm, s.sn, s.reuse)
+            };
+            let (b, a, none) = (Reuse::B, Reuse::A, Reuse::None);
+            // Tasks are at least MIN_REUSE_TASK rows (or columns), and at least one per thread.
+            assert_eq!(split(1, 300, 200, 700, true, 3), (3, 1, b), "{path:?}");
+            assert_eq!(split(1, 515, 260, 700, false, 3), (4, 1, b), "{path:?}");
+            assert_eq!(split(1, 2200, 2100, 100, true, 8), (17, 1, b), "{path:?}");
+            assert_eq!(split(1, 130, 700, 600, false, 3), (1, 5, a), "{path:?}");
+            // Row-major A is never packed, so there is nothing to reuse, whatever its size.
+            assert_eq!(split(1, 130, 700, 600, true, 3), (1, 5, none), "{path:?}");
+            assert_eq!(
+                split(1, 1000, 2000, 3000, true, 2),
+                (1, 8, none),
+                "{path:?}"
+            );
             // Too large to keep packed, batches, one thread: one task per thread, no reuse.
-            assert_eq!(reuse(1, 2048, 2048, 2048, 2), Reuse::None, "{path:?}");
-            assert_eq!(reuse(3, 300, 200, 700, 2), Reuse::None, "{path:?}");
-            assert_eq!(reuse(1, 300, 200, 700, 1), Reuse::None, "{path:?}");
-            // Tasks are at least MIN_REUSE_TASK rows, and at least one per thread.
-            let s = split(&p, 1, 2200, 2100, 100, 8);
-            assert_eq!((s.sm, s.sn), (2200 / MIN_REUSE_TASK, 1), "{path:?}");
-            let s = split(&p, 1, 130, 700, 600, 3);
-            assert_eq!((s.sm, s.sn), (1, 5), "{path:?}");
-            let s = split(&p, 1, 300, 200, 700, 3);
-            assert_eq!((s.sm, s.sn), (3, 1), "{path:?}");
+            assert_eq!(split(1, 2048, 2048, 2048, false, 2).2, none, "{path:?}");
+            assert_eq!(split(3, 300, 200, 700, false, 2).2, none, "{path:?}");
+            assert_eq!(split(1, 300, 200, 700, false, 1), (1, 1, none), "{path:?}");
         }
     }
 
