@@ -167,7 +167,7 @@ struct Ctx {
 /// Which operand every worker packs in full, once per call, and keeps for all its tasks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Reuse {
-    /// Each task packs its own A rows and B columns.
+    /// Each task packs its own B columns (and its A rows, when A is column-major).
     None,
     /// Tasks split m only, so each needs all of B.
     B,
