@@ -213,6 +213,23 @@ fn params<K: Kernel>(task: TaskFn) -> Params {
     }
 }
 
+impl Params {
+    /// Floats per k block of A packed whole for [`Reuse::A`] (every row, MR-padded).
+    fn a_block_len(&self, m: usize) -> usize {
+        m.next_multiple_of(self.mr) * self.kcp
+    }
+
+    /// Floats of A packed whole, every k block, for [`Reuse::A`].
+    fn a_whole_len(&self, m: usize, k: usize) -> usize {
+        self.a_block_len(m) * k.div_ceil(self.kc)
+    }
+
+    /// Floats of B packed whole for [`Reuse::B`].
+    fn b_whole_len(&self, n: usize, k: usize) -> usize {
+        n.next_multiple_of(self.nr) * k
+    }
+}
+
 fn path_params(path: Path) -> Params {
     match path {
         Path::Scalar => params::<Scalar>(task_scalar),
@@ -273,13 +290,13 @@ unsafe fn sgemm_path(
 
     // A block (either panel layout fits in MR*KCP floats per panel), then B block at a
     // 64-byte boundary. A reused operand takes its full packed size instead.
-    let a_blk = m.next_multiple_of(p.mr) * p.kcp;
+    let a_blk = p.a_block_len(m);
     let a_len = match reuse {
-        Reuse::A => a_blk * k.div_ceil(p.kc),
+        Reuse::A => p.a_whole_len(m, k),
         _ => p.mc.min(mt) * p.kcp,
     };
     let b_len = match reuse {
-        Reuse::B => n.next_multiple_of(p.nr) * k,
+        Reuse::B => p.b_whole_len(n, k),
         _ => p.kc.min(k) * nt.min(p.nc),
     };
     let b_off = a_len.next_multiple_of(16);
@@ -357,17 +374,12 @@ fn split(
                 .max(threads)
                 .min(panels)
         };
-        let by_m =
-            (pm >= threads && n.next_multiple_of(p.nr) * k <= MAX_REUSE_FLOATS).then_some(Split {
-                sm: tasks(m, pm),
-                sn: 1,
-                reuse: Reuse::B,
-            });
-        let a_len = if a_rows {
-            0
-        } else {
-            m.next_multiple_of(p.mr) * p.kcp * k.div_ceil(p.kc)
-        };
+        let by_m = (pm >= threads && p.b_whole_len(n, k) <= MAX_REUSE_FLOATS).then_some(Split {
+            sm: tasks(m, pm),
+            sn: 1,
+            reuse: Reuse::B,
+        });
+        let a_len = if a_rows { 0 } else { p.a_whole_len(m, k) };
         let by_n = (pn >= threads && a_len <= MAX_REUSE_FLOATS).then_some(Split {
             sm: 1,
             sn: tasks(n, pn),
