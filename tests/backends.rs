@@ -378,8 +378,10 @@ fn one_op_read_by_several_maps_is_recomputed() {
 /// Elementwise producers of a sum or max run inside the reduction (`Step::MapReduce`), over
 /// trailing dims (one output per row) and over leading dims (one per column): squares
 /// (RMSNorm's), chains through `exp` and `tanh` with per-row and per-column broadcasts (read
-/// on the element's row or column), and enough work to split over every core. Bitwise equal to
-/// eager's map then reduce on each backend. Declined, and kept as a map and a reduce: rows of
+/// on the element's row or column), and enough work to split over every core; over columns, 33
+/// vectors of 8 split as 17 and 16 between two units, so each unit runs whole groups of 8 side
+/// by side and one a single vector after them. Bitwise equal to eager's map then reduce on each
+/// backend. Declined, and kept as a map and a reduce: rows of
 /// 13 or 12, a middle axis, and a producer that is also an output.
 #[test]
 fn reductions_fused_with_their_producers() {
@@ -396,6 +398,8 @@ fn reductions_fused_with_their_producers() {
   input %uc: f32[1,1,24]
   input %m: f32[4,6,16]
   input %t: f32[10,12]
+  input %c: f32[72,264]
+  input %cr: f32[72,1]
   %12: f32[40,48] = square(%x)
   %13: f32[40,1] = reduce_sum(%12, axes=[1], keepdim=true)
   %14: f32[40,48] = expand(%w, shape=[40,48])
@@ -426,6 +430,11 @@ fn reductions_fused_with_their_producers() {
   %39: f32[4,16] = reduce_sum(%38, axes=[1], keepdim=false)
   %40: f32[10,12] = square(%t)
   %41: f32[12] = reduce_sum(%40, axes=[0], keepdim=false)
+  %42: f32[72,264] = expand(%cr, shape=[72,264])
+  %43: f32[72,264] = mul(%c, %42)
+  %44: f32[264] = reduce_sum(%43, axes=[0], keepdim=false)
+  %45: f32[72,264] = exp(%c)
+  %46: f32[264] = reduce_max(%45, axes=[0], keepdim=false)
   output a = %13
   output b = %19
   output c = %21
@@ -438,15 +447,17 @@ fn reductions_fused_with_their_producers() {
   output j = %37
   output k = %39
   output l = %41
+  output m = %44
+  output n = %46
 }";
     let g = text::parse(src).unwrap();
     graphtrain_ir::verify::verify(&g).unwrap();
     let program = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
     let kinds: Vec<&str> = program.steps.iter().map(|s| s.kind()).collect();
     let count = |k: &str| kinds.iter().filter(|&&x| x == k).count();
-    // Fused: a, b, c, d over rows; h, i, j over columns. Not: e and l (rows of 13 and 12),
-    // f (its producer is an output), k (a middle axis).
-    assert_eq!(count("map_reduce"), 7, "{kinds:?}");
+    // Fused: a, b, c, d over rows; h, i, j, m, n over columns. Not: e and l (rows of 13 and
+    // 12), f (its producer is an output), k (a middle axis).
+    assert_eq!(count("map_reduce"), 9, "{kinds:?}");
     assert_eq!(count("reduce"), 4, "{kinds:?}");
     check("reductions fused with their producers", src);
 }

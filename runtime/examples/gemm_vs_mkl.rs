@@ -61,10 +61,26 @@ fn main() {
         .map_or(30, |r| r.parse().expect("ROUNDS"));
     let mkl = load_mkl();
     let threads = graphtrain_runtime::pool::Pool::global().width();
-    for &(label, m, n, k) in &[
-        ("x @ w1   2048x768x256", 2048usize, 768usize, 256usize),
-        ("h @ w2   2048x256x768", 2048, 256, 768),
-        ("square   1024^3", 1024, 1024, 1024),
+    // (label, m, n, k, A stored transposed, B stored transposed): `peer`'s shapes, as in
+    // `gemm_shapes`, and the square one of the speed target.
+    for &(label, m, n, k, ta, tb) in &[
+        (
+            "x @ wT     2048x256x256",
+            2048usize,
+            256usize,
+            256usize,
+            false,
+            true,
+        ),
+        ("x @ w1T    2048x768x256", 2048, 768, 256, false, true),
+        ("h @ w2T    2048x256x768", 2048, 256, 768, false, true),
+        ("dy @ w     2048x256x256", 2048, 256, 256, false, false),
+        ("dy @ w2    2048x768x256", 2048, 768, 256, false, false),
+        ("xT @ dy    256x256x2048", 256, 256, 2048, true, false),
+        ("hT @ dy    768x256x2048", 768, 256, 2048, true, false),
+        ("xT @ dy    256x768x2048", 256, 768, 2048, true, false),
+        ("x @ headT  2048x2048x256", 2048, 2048, 256, false, true),
+        ("square     1024^3", 1024, 1024, 1024, false, false),
     ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
@@ -73,9 +89,10 @@ fn main() {
             .map(|i| ((i * 104729) % 1000) as f32 * 1e-3)
             .collect();
         let mut c = vec![0f32; m * n];
-        let row_major = |cols| Layout {
-            row_stride: cols,
-            col_stride: 1,
+        // A matrix of `rows x cols`, stored row-major or (trans) column-major.
+        let layout = |rows: usize, cols: usize, trans: bool| Layout {
+            row_stride: if trans { 1 } else { cols },
+            col_stride: if trans { rows } else { 1 },
             batch_stride: 0,
         };
         let ours = |c: &mut [f32]| {
@@ -87,31 +104,35 @@ fn main() {
                     n,
                     k,
                     a.as_ptr(),
-                    row_major(k),
+                    layout(m, k, ta),
                     b.as_ptr(),
-                    row_major(n),
+                    layout(k, n, tb),
                     c.as_mut_ptr(),
                     threads,
                 )
             }
         };
-        // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ.
+        // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ. Row-major storage of a matrix is the
+        // column-major storage of its transpose, so an operand stored row-major goes in as
+        // "N" and one stored transposed as "T".
         let theirs = |c: &mut [f32]| {
             let (mi, ni, ki) = (m as c_int, n as c_int, k as c_int);
             let (one, zero) = (1.0f32, 0.0f32);
+            let (op_b, ldb) = if tb { (c"T", ki) } else { (c"N", ni) };
+            let (op_a, lda) = if ta { (c"T", mi) } else { (c"N", ki) };
             // SAFETY: the same buffers, described column-major.
             unsafe {
                 mkl(
-                    c"N".as_ptr(),
-                    c"N".as_ptr(),
+                    op_b.as_ptr(),
+                    op_a.as_ptr(),
                     &ni,
                     &mi,
                     &ki,
                     &one,
                     b.as_ptr(),
-                    &ni,
+                    &ldb,
                     a.as_ptr(),
-                    &ki,
+                    &lda,
                     &zero,
                     c.as_mut_ptr(),
                     &ni,
