@@ -139,10 +139,12 @@ fn softmax_grad(p: &[f32], ds: &mut [f32], n: usize) {
 
 /// Query rows per block. A causal block of rows `r0..r1` only needs keys `0..r1`, so blocks
 /// skip most of the masked half of the scores, at the cost of smaller products. Measured on
-/// `peer` (`attention_cost` example): forward is faster with 128 rows (4.7 against 5.4 ms),
-/// backward, with five products per block and two score-sized buffers, with 64 (11.5
-/// against 12.5-15.6 ms).
-const FORWARD_ROWS: usize = 128;
+/// `peer` (`attention_cost` example): forward is faster with 128 rows than with 64 (4.7
+/// against 5.4 ms), and with 96 (a multiple of the GEMM's 12-row tile) than with 128 (time
+/// ratios 0.969 and 0.942, the two alternated in one process); backward, with five products
+/// per block and two score-sized buffers, with 64 (11.5 against 12.5-15.6 ms; 48 made no
+/// difference).
+const FORWARD_ROWS: usize = 96;
 const BACKWARD_ROWS: usize = 64;
 
 fn blocks(d: &Dims, rows: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
