@@ -826,50 +826,35 @@ fn huge_page_range(ptr: usize, bytes: usize) -> Option<(usize, usize)> {
 /// Asks Linux to back the arena with 2 MiB pages. Every kernel streams its operands through
 /// the arena; with 4 KiB pages, `peer`'s 225 MiB takes 57,600 page-table entries where the
 /// core's second-level TLB holds about 2,000, so GEMM panels and elementwise streams keep
-/// missing it (the step ran 1-3% faster on huge pages, paired in one process,
+/// missing it (the step ran about 2% faster on huge pages, paired in one process,
 /// docs/benchmarks.md).
 ///
 /// `MADV_HUGEPAGE` covers pages faulted in from now on, but cubecl zeroes the arena when it
 /// allocates it, so its pages are already there; `MADV_COLLAPSE` (Linux 6.1) converts them.
-/// A collapse took 0.1-0.9 s for `peer`'s arena (the kernel may first have to compact memory),
-/// so a background thread does it in chunks, while the first step compiles its kernels on
-/// the caller's thread. Both advices are hints that leave the memory's contents as they are,
-/// also while kernels use it, and the thread only issues them: if the arena is freed before
-/// it finishes, the remaining calls fail or apply to whatever is mapped there, harmlessly.
-/// Where the kernel declines (an older kernel, THP set to `never`, no free 2 MiB blocks) the
-/// arena stays on small pages, which is only slower.
+/// That took 0.1-0.9 s for `peer`'s arena (the kernel may first compact memory). It runs here,
+/// at load, where `bench` counts it: on a background thread it only competed with the first
+/// step for the same two cores (the first step took 0.6-0.9 s longer, no sooner done in
+/// total). Both advices are hints that leave the memory's contents as they are; where the
+/// kernel declines (an older kernel, THP set to `never`, no free 2 MiB blocks) the arena
+/// stays on small pages, which is only slower.
 #[cfg(target_os = "linux")]
 fn back_with_huge_pages(ptr: *mut u8, bytes: usize) {
     const MADV_HUGEPAGE: i32 = 14;
     const MADV_COLLAPSE: i32 = 25;
-    /// Collapsed per call, so the thread can stop between chunks.
-    const CHUNK: usize = 32 << 20;
     extern "C" {
         fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
     }
     let Some((start, len)) = huge_page_range(ptr as usize, bytes) else {
         return;
     };
-    // SAFETY: [start, start + len) lies inside the arena allocation; the advice only changes
-    // how the kernel backs it, never its contents.
-    if unsafe { madvise(start as *mut _, len, MADV_HUGEPAGE) } != 0 {
-        return;
-    }
-    let collapse = move || {
-        let mut at = start;
-        while at < start + len {
-            let n = CHUNK.min(start + len - at);
-            // SAFETY: an advice that preserves contents; on memory no longer mapped it fails.
-            if unsafe { madvise(at as *mut _, n, MADV_COLLAPSE) } != 0 {
-                return;
-            }
-            at += n;
+    // SAFETY: [start, start + len) lies inside the arena allocation, which stays mapped while
+    // the executor lives; the advices only change how the kernel backs it, never its contents.
+    unsafe {
+        if madvise(start as *mut _, len, MADV_HUGEPAGE) == 0 {
+            // A failed collapse (older kernel, no free blocks) leaves MADV_HUGEPAGE in force.
+            madvise(start as *mut _, len, MADV_COLLAPSE);
         }
-    };
-    // Without a thread (a sandbox that forbids them) the arena just stays on small pages.
-    let _ = std::thread::Builder::new()
-        .name("graphtrain-huge-pages".into())
-        .spawn(collapse);
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
