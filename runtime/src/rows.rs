@@ -168,6 +168,26 @@ pub(crate) mod x86 {
         _mm512_mul_ps(y, _mm512_castsi512_ps(pow2))
     }
 
+    /// `e[i] = exp(x[i] - m)` on sixteen lanes, the last group masked: the scalar loop's bits
+    /// (`exp16` is `exp` lane by lane), for rows whose length is not a multiple of 16 too.
+    ///
+    /// # Safety
+    /// The cpu has AVX-512F; `e` is at least as long as `x`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn exp_minus16(x: &[f32], m: f32, e: &mut [f32]) {
+        let (xp, ep, len) = (x.as_ptr(), e.as_mut_ptr(), x.len());
+        let vm = _mm512_set1_ps(m);
+        for g in 0..len.div_ceil(16) {
+            let k = (u32::MAX >> (32 - (len - g * 16).min(16))) as __mmask16;
+            // SAFETY: the mask covers `g*16 .. len` only, inside both slices.
+            unsafe {
+                let v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, xp.add(g * 16)), vm);
+                _mm512_mask_storeu_ps(ep.add(g * 16), k, exp16(v));
+            }
+        }
+    }
+
     /// One softmax row on sixteen lanes: `x * scale`, `exp(x - max)`, `/ sum` over the
     /// `live` elements, zeros past them. Why: `exp`'s arithmetic is most of a softmax's time
     /// (`perf annotate`), and LLVM vectorizes the scalar loop to eight lanes at most. A row's
