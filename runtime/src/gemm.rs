@@ -5,7 +5,9 @@
 //! * Every C element is one sequential chain `acc = fma(a[k], b[k], acc)` for k = 0, 1, ...
 //!   starting from 0. Cache blocking never changes that chain: for every k block after the
 //!   first, the kernel reloads the partial C tile into its accumulators and keeps going.
-//!   Threads only split batch x m x n, never k. So the bits depend neither on the thread
+//!   Threads only split batch x m x n, never one element's k chain (a phased call, below,
+//!   runs a row range's k blocks on any thread, but one after the other, from the C that
+//!   the previous block left). So the bits depend neither on the thread
 //!   count, nor on the block sizes, nor on the scheduling, and the AVX2 and AVX-512 paths
 //!   give identical bits (both are the same fused chain). The portable fallback uses fused
 //!   multiply-add only where the target has it in hardware, so it may differ in rounding.
@@ -15,6 +17,10 @@
 //!   only m (or only n) when the other operand is small enough: each thread then packs that
 //!   operand once per call and reuses it for all its tasks, so a core that the host slows down
 //!   for a while takes fewer tasks instead of holding the other one up (see [`split`]).
+//! * When a call would give each thread fewer than [`MIN_TASKS_PER_THREAD`] tasks that way (the
+//!   weight gradients, with k = 2048), its tasks become one k block of one row range each
+//!   ([`Reuse::Phased`]): a range's next k block waits for its previous one, so the chain
+//!   order holds whichever thread runs which block.
 //! * Each thread keeps its packing buffer between calls (grown to the largest call it ran), to
 //!   avoid page faults on every call and to keep packed panels in the core that packed them.
 
@@ -57,6 +63,16 @@ const MIN_REUSE_TASK: usize = 128;
 /// 2 MiB (the weight gradients, the output head) it no longer stays in L2 between tasks, and
 /// those calls ran at 0.93-0.98x the speed; with this limit `peer`'s step still gained 2-3%.
 const MAX_REUSE_FLOATS: usize = 1 << 18;
+
+/// Fewest tasks per thread that let the faster core take work over from a slower one. A split
+/// with fewer goes phased ([`Reuse::Phased`]) where m allows: with one task per thread, one
+/// core idled for 13-22% of those calls' time in `peer`'s step (the two finish times,
+/// measured per call), and phased calls made the step 2% faster (paired, docs/benchmarks.md).
+const MIN_TASKS_PER_THREAD: usize = 4;
+
+/// Register-tile panels per row range of a phased call: at most 8 (96 rows of the AVX-512
+/// tile), and at least 4, because each task streams its k block of B through the cache once.
+const PHASED_PANELS: std::ops::RangeInclusive<usize> = 4..=8;
 
 /// Largest MR*NR over all kernels (edge tiles go through a stack temp of this size).
 const MAX_TILE: usize = 12 * 32;
@@ -162,6 +178,8 @@ struct Ctx {
     reuse: Reuse,
     /// With [`Reuse::A`]: floats per k block of the packed A (every row of A, MR-padded).
     a_blk: usize,
+    /// With [`Reuse::Phased`]: per row range, how many k blocks are done.
+    blocks_done: Vec<AtomicUsize>,
 }
 
 /// Which operand every worker packs in full, once per call, and keeps for all its tasks.
@@ -173,6 +191,9 @@ enum Reuse {
     B,
     /// Tasks split n only, so each needs all of A.
     A,
+    /// Tasks are (k block, row range) pairs, `sm` ranges over all of n, claimed k block after
+    /// k block ([`run_phased`]). Each worker packs a k block of B when it first needs it.
+    Phased,
 }
 
 /// How one call is cut into tasks: `sm` x `sn` per batch.
@@ -186,9 +207,10 @@ struct Split {
 // SAFETY: workers write disjoint C tiles (tasks partition batch x m x n) and only read A/B.
 unsafe impl Sync for Ctx {}
 
-/// Runs task `t` in the worker's buffer; `packed` says whether this worker has already packed
-/// the operand it reuses in this call.
-type TaskFn = unsafe fn(&Ctx, usize, *mut f32, &mut bool);
+/// Runs task `t` in the worker's buffer; `packed` says what this worker has packed so far in
+/// this call: 0 nothing; with [`Reuse::A`] or [`Reuse::B`], 1 the reused operand; with
+/// [`Reuse::Phased`], `kb + 1` for B's k block `kb`.
+type TaskFn = unsafe fn(&Ctx, usize, *mut f32, &mut usize);
 
 /// Blocking of one kernel, as plain values for the (non-generic) planner.
 struct Params {
@@ -284,7 +306,12 @@ unsafe fn sgemm_path(
     let (pm, pn) = (m.div_ceil(p.mr), n.div_ceil(p.nr));
     let a_rows = la.col_stride == 1;
     let Split { sm, sn, reuse } = split(&p, batch, m, n, k, a_rows, threads);
-    let ntasks = batch * sm * sn;
+    let phased = reuse == Reuse::Phased;
+    let ntasks = if phased {
+        k.div_ceil(p.kc) * sm
+    } else {
+        batch * sm * sn
+    };
     let threads = threads.min(ntasks);
     let (mt, nt) = (pm.div_ceil(sm) * p.mr, pn.div_ceil(sn) * p.nr);
 
@@ -297,6 +324,7 @@ unsafe fn sgemm_path(
     };
     let b_len = match reuse {
         Reuse::B => p.b_whole_len(n, k),
+        Reuse::Phased => p.kc.min(k) * pn * p.nr,
         _ => p.kc.min(k) * nt.min(p.nc),
     };
     let b_off = a_len.next_multiple_of(16);
@@ -323,14 +351,19 @@ unsafe fn sgemm_path(
         b_off,
         reuse,
         a_blk,
+        blocks_done: (0..if phased { sm } else { 0 })
+            .map(|_| AtomicUsize::new(0))
+            .collect(),
     };
 
     let next = AtomicUsize::new(0);
     let task = p.task;
     let worker = || {
         with_packing_buffer(buf_len, |bp| {
-            let mut packed = false;
+            let mut packed = 0;
             loop {
+                // Claimed in index order: a phased task waits only for lower indices, all
+                // claimed already, by tasks that never wait for a higher one.
                 let t = next.fetch_add(1, Ordering::Relaxed);
                 if t >= ntasks {
                     break;
@@ -353,8 +386,10 @@ unsafe fn sgemm_path(
 /// With one batch, tasks split only the larger of m and n when the other operand, packed in
 /// full, fits [`MAX_REUSE_FLOATS`] (row-major A always fits: it is not packed at all): each
 /// worker packs it once and the tasks are many and small ([`REUSE_TASKS_PER_THREAD`]).
-/// Otherwise (batches, or both operands too large) it is the least packing per task, mt + nt,
-/// among the splits that give one task per thread.
+/// Where that gives fewer than [`MIN_TASKS_PER_THREAD`] tasks per thread, or no operand fits,
+/// the call goes phased, when m has rows enough for two ranges per thread. Otherwise
+/// (batches, small m, or one thread) it is the least packing per task, mt + nt, among the
+/// splits that give one task per thread.
 fn split(
     p: &Params,
     batch: usize,
@@ -387,8 +422,19 @@ fn split(
         });
         // Every worker packs the reused operand in full: reuse the smaller one.
         let found = if n <= m { by_m.or(by_n) } else { by_n.or(by_m) };
-        if let Some(s) = found {
-            return s;
+        let panels = (pm / (threads * MIN_TASKS_PER_THREAD))
+            .clamp(*PHASED_PANELS.start(), *PHASED_PANELS.end());
+        match found {
+            Some(s) if s.sm * s.sn >= threads * MIN_TASKS_PER_THREAD => return s,
+            _ if pm / panels >= 2 * threads => {
+                return Split {
+                    sm: pm / panels,
+                    sn: 1,
+                    reuse: Reuse::Phased,
+                }
+            }
+            Some(s) => return s,
+            None => {}
         }
     }
     let target = if threads > 1 {
@@ -517,9 +563,13 @@ trait Kernel {
 ///
 /// # Safety
 /// `ctx` describes valid buffers; `buf` holds the packing space computed in `sgemm_path`, and
-/// `packed` is false on this worker's first task of the call.
+/// `packed` is 0 on this worker's first task of the call.
 #[inline(always)]
-unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
+    if ctx.reuse == Reuse::Phased {
+        // SAFETY: forwarded.
+        return unsafe { run_phased::<K>(ctx, t, buf, packed) };
+    }
     unsafe {
         let per_batch = ctx.sm * ctx.sn;
         let bi = t / per_batch;
@@ -551,8 +601,8 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
         let a_cached = |ic: usize, kc: usize, pc: usize| abuf.add(pc / K::KC * ctx.a_blk + ic * kc);
         // This worker's first task packs the reused operand block by block, just before its
         // first use, while the block is still in cache.
-        let first = !*packed;
-        *packed = true;
+        let first = *packed == 0;
+        *packed = 1;
 
         let mut jc = n0;
         while jc < n1 {
@@ -576,29 +626,7 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
                     let lda = ctx.a_rs;
                     let load = pc > 0;
                     if direct {
-                        // Whole panels in place; the ragged tail (< MR rows) is copied so
-                        // the kernel never reads rows past A.
-                        let full = mc / K::MR * K::MR;
-                        if full > 0 {
-                            macro_kernel::<K, A_DIRECT>(
-                                kc, full, nc, asrc, lda, bblk, cp, ldc, load,
-                            );
-                        }
-                        if full < mc {
-                            let (asrc, cp) = (asrc.add(full * lda), cp.add(full * ldc));
-                            pack_a_rows::<K>(abuf, asrc, lda, mc - full, kc);
-                            macro_kernel::<K, A_ROWS>(
-                                kc,
-                                mc - full,
-                                nc,
-                                abuf,
-                                0,
-                                bblk,
-                                cp,
-                                ldc,
-                                load,
-                            );
-                        }
+                        direct_rows::<K>(kc, mc, nc, asrc, lda, abuf, bblk, cp, ldc, load);
                     } else {
                         let ablk = match ctx.reuse {
                             Reuse::A => a_cached(ic, kc, pc),
@@ -614,6 +642,101 @@ unsafe fn run_task<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut b
                 pc += kc;
             }
             jc += nc;
+        }
+    }
+}
+
+/// One task of a [`Reuse::Phased`] call: k block `t / sm` of row range `t % sm`, over all of
+/// n. The worker packs that k block of B into its buffer unless it already holds it (its k
+/// blocks only ever grow, as tasks are claimed in order), and its A rows when A is
+/// column-major. The task first waits until the range's previous k block is done, on whichever
+/// core it ran, so every element of C is still one fused chain in k order.
+///
+/// # Safety
+/// As for [`run_task`].
+#[inline(always)]
+unsafe fn run_phased<K: Kernel>(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
+    let (kb, range) = (t / ctx.sm, t % ctx.sm);
+    let pc = kb * K::KC;
+    let kc = K::KC.min(ctx.k - pc);
+    unsafe {
+        let bblk = buf.add(ctx.b_off);
+        if *packed != kb + 1 {
+            pack_b::<K>(
+                bblk,
+                ctx.b.add(pc * ctx.b_rs),
+                ctx.b_rs,
+                ctx.b_cs,
+                kc,
+                ctx.n,
+            );
+            *packed = kb + 1;
+        }
+        let mut spins = 0u32;
+        while ctx.blocks_done[range].load(Ordering::Acquire) < kb {
+            // The other core runs the block we wait for; if it stops running for a while (a
+            // shared host), let the OS give this core to it.
+            if spins < 1 << 14 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let m0 = range * ctx.pm / ctx.sm * K::MR;
+        let m1 = ctx.m.min((range + 1) * ctx.pm / ctx.sm * K::MR);
+        let (ldc, lda, load) = (ctx.n, ctx.a_rs, pc > 0);
+        let mut jc = 0;
+        while jc < ctx.n {
+            let nc = K::NC.min(ctx.n - jc);
+            let bj = bblk.add(jc * kc);
+            let mut ic = m0;
+            while ic < m1 {
+                let mc = K::MC.min(m1 - ic);
+                let asrc = ctx.a.add(ic * ctx.a_rs + pc * ctx.a_cs);
+                let cp = ctx.c.add(ic * ldc + jc);
+                if ctx.a_cs == 1 {
+                    direct_rows::<K>(kc, mc, nc, asrc, lda, buf, bj, cp, ldc, load);
+                } else {
+                    pack_a_kmajor::<K>(buf, asrc, lda, ctx.a_cs, mc, kc);
+                    macro_kernel::<K, A_KMAJOR>(kc, mc, nc, buf, 0, bj, cp, ldc, load);
+                }
+                ic += mc;
+            }
+            jc += nc;
+        }
+        ctx.blocks_done[range].store(kb + 1, Ordering::Release);
+    }
+}
+
+/// Whole MR-row panels of row-major A read in place; the ragged tail (< MR rows) is copied
+/// into `abuf` first, so that the kernel never reads rows past A.
+///
+/// # Safety
+/// As for [`macro_kernel`]; `abuf` has room for one A panel in [`A_ROWS`] layout.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn direct_rows<K: Kernel>(
+    kc: usize,
+    mc: usize,
+    nc: usize,
+    a: *const f32,
+    lda: usize,
+    abuf: *mut f32,
+    bblk: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    let full = mc / K::MR * K::MR;
+    unsafe {
+        if full > 0 {
+            macro_kernel::<K, A_DIRECT>(kc, full, nc, a, lda, bblk, c, ldc, load_c);
+        }
+        if full < mc {
+            let (a, c) = (a.add(full * lda), c.add(full * ldc));
+            pack_a_rows::<K>(abuf, a, lda, mc - full, kc);
+            macro_kernel::<K, A_ROWS>(kc, mc - full, nc, abuf, 0, bblk, c, ldc, load_c);
         }
     }
 }
@@ -849,7 +972,7 @@ impl Kernel for Scalar {
 
 /// # Safety
 /// See [`run_task`].
-unsafe fn task_scalar(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+unsafe fn task_scalar(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
     unsafe { run_task::<Scalar>(ctx, t, buf, packed) }
 }
 
@@ -1004,7 +1127,7 @@ mod x86 {
     /// # Safety
     /// See [`run_task`]; CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn task_avx2(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+    pub unsafe fn task_avx2(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
         unsafe { run_task::<Avx2>(ctx, t, buf, packed) }
     }
 
@@ -1083,7 +1206,7 @@ mod x86 {
     /// # Safety
     /// See [`run_task`]; CPU must have AVX-512F.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn task_avx512(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut bool) {
+    pub unsafe fn task_avx512(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
         unsafe { run_task::<Avx512>(ctx, t, buf, packed) }
     }
 }
@@ -1350,7 +1473,8 @@ mod tests {
             (1, 130, 700, 600, true, true),
             (1, 2200, 2100, 100, false, true),
         ];
-        for (s, &(batch, m, n, k, ta, tb)) in shapes.iter().enumerate() {
+        let shapes = shapes.iter().chain(PHASED_SHAPES);
+        for (s, &(batch, m, n, k, ta, tb)) in shapes.enumerate() {
             let p = prob(batch, m, n, k, ta, tb, false, 0, 200 + s as u64);
             for path in paths() {
                 let c1 = run_path(&p, path, 1);
@@ -1372,24 +1496,52 @@ mod tests {
                 let s = split(&p, batch, m, n, k, a_rows, threads);
                 (s.sm, s.sn, s.reuse)
             };
-            let (b, a, none) = (Reuse::B, Reuse::A, Reuse::None);
-            // Tasks are at least MIN_REUSE_TASK rows (or columns), and at least one per thread.
-            assert_eq!(split(1, 300, 200, 700, true, 3), (3, 1, b), "{path:?}");
-            assert_eq!(split(1, 515, 260, 700, false, 3), (4, 1, b), "{path:?}");
-            assert_eq!(split(1, 2200, 2100, 100, true, 8), (17, 1, b), "{path:?}");
-            assert_eq!(split(1, 130, 700, 600, false, 3), (1, 5, a), "{path:?}");
+            let (b, a, none, phased) = (Reuse::B, Reuse::A, Reuse::None, Reuse::Phased);
+            // Enough tasks per thread: the reused operand, tasks of at least MIN_REUSE_TASK
+            // rows, at most REUSE_TASKS_PER_THREAD per thread.
+            assert_eq!(split(1, 4096, 200, 700, true, 2), (16, 1, b), "{path:?}");
+            // Too few, but m too small to go phased: the reused operand all the same.
+            assert_eq!(split(1, 60, 700, 600, false, 3), (1, 5, a), "{path:?}");
             // Row-major A is never packed, so there is nothing to reuse, whatever its size.
-            assert_eq!(split(1, 130, 700, 600, true, 3), (1, 5, none), "{path:?}");
+            assert_eq!(split(1, 60, 700, 600, true, 3), (1, 5, none), "{path:?}");
             assert_eq!(
                 split(1, 1000, 2000, 3000, true, 2),
                 (1, 15, none),
                 "{path:?}"
             );
-            // Too large to keep packed, batches, one thread: one task per thread, no reuse.
-            assert_eq!(split(1, 2048, 2048, 2048, false, 2).2, none, "{path:?}");
+            // Too few tasks, or nothing fits, and m has the rows: phased, ranges of 4-8 panels.
+            let pm = |m: usize| m.div_ceil(p.mr);
+            let ranges = |m: usize, threads: usize| pm(m) / (pm(m) / (threads * 4)).clamp(4, 8);
+            for (m, n, k, a_rows) in [(2048, 2048, 2048, false), (768, 256, 2048, true)] {
+                let want = (ranges(m, 2), 1, phased);
+                assert_eq!(split(1, m, n, k, a_rows, 2), want, "{path:?} {m}x{n}x{k}");
+            }
+            // Nothing fits and m is small: one task per thread, no reuse.
+            assert_eq!(split(1, 60, 2048, 8192, false, 2).2, none, "{path:?}");
+            // Batches, one thread: one task per thread, no reuse.
             assert_eq!(split(3, 300, 200, 700, false, 2).2, none, "{path:?}");
             assert_eq!(split(1, 300, 200, 700, false, 1), (1, 1, none), "{path:?}");
         }
+    }
+
+    /// Shapes whose two-thread split is phased on every path (checked where they are used):
+    /// three k blocks, ragged m and n, A column-major (packed) and row-major (in place).
+    const PHASED_SHAPES: &[(usize, usize, usize, usize, bool, bool)] = &[
+        (1, 200, 70, 600, true, false),
+        (1, 200, 70, 600, false, true),
+    ];
+
+    fn assert_phased(p: &Prob, path: Path) {
+        let s = split(
+            &path_params(path),
+            p.batch,
+            p.m,
+            p.n,
+            p.k,
+            p.la.col_stride == 1,
+            2,
+        );
+        assert_eq!(s.reuse, Reuse::Phased, "{path:?} {}x{}x{}", p.m, p.n, p.k);
     }
 
     #[test]
@@ -1400,10 +1552,13 @@ mod tests {
             (2, 50, 70, 600, true, false),
             (1, 130, 96, 1000, false, false),
         ];
-        for (s, &(batch, m, n, k, ta, tb)) in shapes.iter().enumerate() {
+        for (s, &(batch, m, n, k, ta, tb)) in shapes.iter().chain(PHASED_SHAPES).enumerate() {
             let p = prob(batch, m, n, k, ta, tb, false, 1, 300 + s as u64);
             let want = fma_chain(&p);
             for path in paths() {
+                if s >= shapes.len() {
+                    assert_phased(&p, path);
+                }
                 if path == Path::Scalar
                     && !cfg!(any(target_arch = "aarch64", target_feature = "fma"))
                 {
