@@ -18,7 +18,8 @@
 //!   operand once per call and reuses it for all its tasks, so a core that the host slows down
 //!   for a while takes fewer tasks instead of holding the other one up (see [`split`]).
 //! * When a call would give each thread fewer than [`MIN_TASKS_PER_THREAD`] tasks that way (the
-//!   weight gradients, with k = 2048), its tasks become one k block of one row range each
+//!   weight gradients, with k = 2048), or would split n over a row-major A that every task then
+//!   reads whole (1024^3), its tasks become one k block of one row range each
 //!   ([`Reuse::Phased`]): a range's next k block waits for its previous one, so the chain
 //!   order holds whichever thread runs which block.
 //! * Each thread keeps its packing buffer between calls (grown to the largest call it ran), to
@@ -387,7 +388,9 @@ unsafe fn sgemm_path(
 /// full, fits [`MAX_REUSE_FLOATS`] (row-major A always fits: it is not packed at all): each
 /// worker packs it once and the tasks are many and small ([`REUSE_TASKS_PER_THREAD`]).
 /// Where that gives fewer than [`MIN_TASKS_PER_THREAD`] tasks per thread, or no operand fits,
-/// the call goes phased, when m has rows enough for two ranges per thread. Otherwise
+/// or the split is over n with row-major A (which every task would read in full: phased,
+/// 1024^3 ran 7% faster on two threads, alternated in one process), the call goes phased,
+/// when m has rows enough for two ranges per thread. Otherwise
 /// (batches, small m, or one thread) it is the least packing per task, mt + nt, among the
 /// splits that give one task per thread.
 fn split(
@@ -425,7 +428,11 @@ fn split(
         let panels = (pm / (threads * MIN_TASKS_PER_THREAD))
             .clamp(*PHASED_PANELS.start(), *PHASED_PANELS.end());
         match found {
-            Some(s) if s.sm * s.sn >= threads * MIN_TASKS_PER_THREAD => return s,
+            // A split over n that reads row-major A in place (no reuse) streams all of A
+            // through every task: phased, each row range reads its rows once.
+            Some(s) if s.sm * s.sn >= threads * MIN_TASKS_PER_THREAD && s.reuse != Reuse::None => {
+                return s
+            }
             _ if pm / panels >= 2 * threads => {
                 return Split {
                     sm: pm / panels,
@@ -1504,15 +1511,15 @@ mod tests {
             assert_eq!(split(1, 60, 700, 600, false, 3), (1, 5, a), "{path:?}");
             // Row-major A is never packed, so there is nothing to reuse, whatever its size.
             assert_eq!(split(1, 60, 700, 600, true, 3), (1, 5, none), "{path:?}");
-            assert_eq!(
-                split(1, 1000, 2000, 3000, true, 2),
-                (1, 15, none),
-                "{path:?}"
-            );
-            // Too few tasks, or nothing fits, and m has the rows: phased, ranges of 4-8 panels.
+            // Too few tasks, nothing fits, or every task would read all of A, and m has the
+            // rows: phased, in ranges of 4-8 panels.
             let pm = |m: usize| m.div_ceil(p.mr);
             let ranges = |m: usize, threads: usize| pm(m) / (pm(m) / (threads * 4)).clamp(4, 8);
-            for (m, n, k, a_rows) in [(2048, 2048, 2048, false), (768, 256, 2048, true)] {
+            for (m, n, k, a_rows) in [
+                (2048, 2048, 2048, false),
+                (768, 256, 2048, true),
+                (1000, 2000, 3000, true),
+            ] {
                 let want = (ranges(m, 2), 1, phased);
                 assert_eq!(split(1, m, n, k, a_rows, 2), want, "{path:?} {m}x{n}x{k}");
             }
