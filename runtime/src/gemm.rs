@@ -68,7 +68,7 @@ const MAX_REUSE_FLOATS: usize = 1 << 18;
 /// Fewest tasks per thread that let the faster core take work over from a slower one. A split
 /// with fewer goes phased ([`Reuse::Phased`]) where m allows: with one task per thread, one
 /// core idled for 13-22% of those calls' time in `peer`'s step (the two finish times,
-/// measured per call), and phased calls made the step 2% faster (paired, docs/benchmarks.md).
+/// measured per call), and phased calls made the step 3-4% faster (paired, docs/benchmarks.md).
 const MIN_TASKS_PER_THREAD: usize = 4;
 
 /// Register-tile panels per row range of a phased call: at most 8 (96 rows of the AVX-512
@@ -205,7 +205,9 @@ struct Split {
     reuse: Reuse,
 }
 
-// SAFETY: workers write disjoint C tiles (tasks partition batch x m x n) and only read A/B.
+// SAFETY: workers write disjoint C tiles (tasks partition batch x m x n; a phased call's tasks
+// on one row range write it one after the other, ordered through `blocks_done`) and only read
+// A/B.
 unsafe impl Sync for Ctx {}
 
 /// Runs task `t` in the worker's buffer; `packed` says what this worker has packed so far in
