@@ -3,6 +3,7 @@
 //! memory, and peak RSS. The shape follows ../shared/peers/torch/llama_step.py's summary so the
 //! two can sit side by side.
 
+use crate::peak::Peak;
 use crate::trainer::Trainer;
 use graphtrain_lowering::BufferPlan;
 use serde::Serialize;
@@ -37,8 +38,11 @@ pub struct BenchSummary {
     pub first_step_s: f64,
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
-    /// MFU against the backend's peak; `None` where the backend has no meaningful peak.
+    /// MFU against `peak_gflops`; `None` where the backend has no known peak.
     pub mfu: Option<f64>,
+    /// The peak MFU is measured against, and how it was derived (`crate::peak`).
+    pub peak_gflops: Option<f64>,
+    pub peak_source: Option<String>,
     pub compile: CompileTimes,
     /// The buffer plan's arena, before anything ran.
     pub predicted_peak_bytes: usize,
@@ -52,17 +56,6 @@ pub struct BenchSummary {
     pub peak_rss_bytes: Option<usize>,
     pub step_times_s: Vec<f64>,
     pub losses: Vec<f64>,
-}
-
-/// Peak f32 throughput of this machine type's 2 cores, from ../shared/DESIGN.md (measured there,
-/// November 2026); MFU on `cpu` is reported against it.
-pub const CPU_PEAK_GFLOPS: f64 = 332.8;
-pub const CPU_PEAK_SOURCE: &str = "2-core f32 peak from DESIGN.md";
-
-/// The peak MFU is reported against on `backend`: the cpu backend's only. A device backend's
-/// peak depends on which GPU (or lavapipe) it found, which we do not look up yet.
-pub fn peak_gflops(backend: &str) -> Option<f64> {
-    (backend == "cpu").then_some(CPU_PEAK_GFLOPS)
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -108,6 +101,7 @@ pub fn run(
     steps: u64,
     load: LoadInfo<'_>,
     labels: (&str, &str, &str),
+    peak: Option<Peak>,
     mut on_step: impl FnMut(&crate::trainer::StepMetrics),
 ) -> Result<BenchSummary, String> {
     let mut times = Vec::new();
@@ -161,7 +155,11 @@ pub fn run(
         first_step_s: times.first().copied().unwrap_or(f64::NAN),
         flops_per_token,
         achieved_gflops: tokens as f64 / med * flops_per_token / 1e9,
-        mfu: peak_gflops(labels.2).map(|peak| tokens as f64 / med * flops_per_token / 1e9 / peak),
+        mfu: peak
+            .as_ref()
+            .map(|p| tokens as f64 / med * flops_per_token / 1e9 / p.gflops),
+        peak_gflops: peak.as_ref().map(|p| p.gflops),
+        peak_source: peak.map(|p| p.source),
         compile,
         predicted_peak_bytes: load.plan.arena_bytes,
         measured_peak_bytes: measured_peak,

@@ -65,9 +65,9 @@ pub enum Command {
     ///
     /// Each line reads `step: N loss: X grad_norm: Y memory: Z tps: T tflops: F mfu: M`. `memory`
     /// is the executor's peak of live tensor bytes at graph dtypes; `tflops` counts
-    /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is against the cpu backend's 2-core peak
-    /// and n/a on the others (no known peak). A non-finite loss stops the run with an error
-    /// naming the step.
+    /// 6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is against this machine's peak on `cpu`
+    /// (derived from its threads, clock and FMA width; `bench` prints how) or `--peak-gflops`,
+    /// and n/a otherwise. A non-finite loss stops the run with an error naming the step.
     Run(RunArgs),
     /// Train for warm-up plus measured steps and report median tokens/s, compile time by stage,
     /// predicted against measured memory and peak RSS (`--json FILE` writes the summary).
@@ -268,6 +268,18 @@ pub struct TrainArgs {
     pub optim: OptimArgs,
     #[command(flatten)]
     pub passes: PassArgs,
+    /// Peak f32 GFLOP/s that `mfu` is measured against, instead of the one derived from this
+    /// machine on `cpu` (threads x clock x FLOP per cycle of its widest FMA; printed by
+    /// `bench`). Device backends have no peak unless given one here.
+    #[arg(long, value_parser = positive_gflops)]
+    pub peak_gflops: Option<f64>,
+}
+
+fn positive_gflops(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number of GFLOP/s")),
+    }
 }
 
 /// A trainer built from the shared flags, with what went into it.
@@ -641,6 +653,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             None => Ok(()),
         }
     };
+    let peak = crate::peak::peak(&a.train.backend, a.train.peak_gflops);
     while trainer.steps_done() < a.steps {
         let m = match trainer.step() {
             Ok(m) => m,
@@ -661,9 +674,8 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         };
         let tps = m.tokens as f64 / m.seconds;
         let gflops = tps * flops_per_token / 1e9;
-        // Only the cpu backend has a known peak (the 2 cores', see bench.rs).
-        let mfu = match crate::bench::peak_gflops(&a.train.backend) {
-            Some(peak) => format!("{:.1}%", 100.0 * gflops / peak),
+        let mfu = match &peak {
+            Some(peak) => format!("{:.1}%", 100.0 * gflops / peak.gflops),
             None => "n/a".to_string(),
         };
         say!(
@@ -724,6 +736,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             &a.train.model.config,
             &a.train.backend,
         ),
+        crate::peak::peak(&a.train.backend, a.train.peak_gflops),
         |m| {
             say!(
                 "step: {:>2} loss: {:.4} time: {}{}",
@@ -735,14 +748,14 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         },
     )?;
     let c = &s.compile;
-    let mfu = match s.mfu {
-        Some(m) => format!(
-            "{:.1}% of {:.1} GFLOP/s ({})",
-            100.0 * m,
-            crate::bench::CPU_PEAK_GFLOPS,
-            crate::bench::CPU_PEAK_SOURCE
+    let mfu = match (s.mfu, s.peak_gflops, &s.peak_source) {
+        (Some(m), Some(peak), Some(source)) => {
+            format!("{:.1}% of {peak:.1} GFLOP/s ({source})", 100.0 * m)
+        }
+        _ => format!(
+            "n/a (no known peak for {}; --peak-gflops sets one)",
+            s.backend
         ),
-        None => format!("n/a (no known peak for {})", s.backend),
     };
     say!(
         "summary: median_tps: {:.0} best_tps: {:.0} median_step: {} achieved: {:.2} GFLOP/s mfu: {mfu}",

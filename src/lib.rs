@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod gate;
+pub mod peak;
 pub mod trainer;
 
 pub use graphtrain_ir as ir;

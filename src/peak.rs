@@ -1,0 +1,177 @@
+//! The peak f32 throughput MFU is reported against, and how it was derived.
+//!
+//! On `cpu` the peak is that of the machine the step runs on, from what the OS says about it:
+//! threads the backend uses x clock x f32 FLOP per cycle per core of the widest FMA the cpu
+//! has. The project's machines are not all alike (the same 2-vCPU slot has been a Xeon with
+//! AVX-512 and an EPYC with AVX2 only, at half the FLOP per cycle), so a constant would report
+//! half the MFU on one of them. `--peak-gflops` replaces the derivation where it is wrong (a
+//! Xeon with one 512-bit FMA unit per core, a clock the VM hides). Device backends have no
+//! peak yet unless given one: it depends on which GPU (or lavapipe) they found.
+
+/// A peak and the sentence that says where it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peak {
+    pub gflops: f64,
+    pub source: String,
+}
+
+/// What the derivation needs to know about the cpu.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuFacts {
+    /// Threads the cpu backend runs on (its pool's width).
+    pub threads: usize,
+    /// Clock in GHz: the base frequency where the OS gives it, else the one `/proc/cpuinfo`
+    /// reports (on a VM, usually the host's nominal clock).
+    pub ghz: Option<f64>,
+    /// Where `ghz` came from, for the source sentence.
+    pub clock_source: &'static str,
+    /// `/proc/cpuinfo`'s vendor id (`GenuineIntel`, `AuthenticAMD`, ...).
+    pub vendor: String,
+    pub avx512f: bool,
+    /// AVX2 with FMA.
+    pub avx2_fma: bool,
+    pub avx: bool,
+}
+
+/// f32 FLOP per cycle per core and the unit that gives them, for the widest vector the cpu has.
+/// Two vector FMA pipes per core is what every x86 core with AVX2 or AVX-512 since Haswell has,
+/// except AMD's Zen 4, which runs 512-bit instructions on 256-bit pipes, and some Xeon
+/// Silver/Bronze parts with one 512-bit pipe (not visible from here: `--peak-gflops`).
+fn flops_per_cycle(f: &CpuFacts) -> (f64, &'static str) {
+    if f.avx512f && f.vendor == "GenuineIntel" {
+        (64.0, "2 AVX-512 FMA pipes x 16 lanes x 2")
+    } else if f.avx512f || f.avx2_fma {
+        (32.0, "2 FMA pipes x 8 lanes x 2")
+    } else if f.avx {
+        (16.0, "an 8-lane add and an 8-lane multiply")
+    } else {
+        (8.0, "a 4-lane add and a 4-lane multiply")
+    }
+}
+
+/// The cpu's peak from `facts`, `None` where the clock is unknown.
+pub fn cpu_peak(facts: &CpuFacts) -> Option<Peak> {
+    let ghz = facts.ghz?;
+    let (per_cycle, unit) = flops_per_cycle(facts);
+    let gflops = facts.threads as f64 * ghz * per_cycle;
+    Some(Peak {
+        gflops,
+        source: format!(
+            "{} thread{} x {ghz:.2} GHz ({}) x {per_cycle} FLOP/cycle ({unit})",
+            facts.threads,
+            if facts.threads == 1 { "" } else { "s" },
+            facts.clock_source
+        ),
+    })
+}
+
+/// The facts of the cpu this process runs on. Outside Linux on x86_64 the clock is unknown.
+pub fn cpu_facts() -> CpuFacts {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        cpuinfo.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == key).then(|| v.trim().to_string())
+        })
+    };
+    // intel_pstate's base frequency (kHz) is the sustained clock; VMs rarely expose it.
+    let base = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cpufreq/base_frequency")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .map(|khz| khz / 1e6);
+    let reported = field("cpu MHz")
+        .and_then(|s| s.parse::<f64>().ok())
+        .map(|mhz| mhz / 1e3);
+    let (ghz, clock_source) = match (base, reported) {
+        (Some(g), _) => (Some(g), "cpufreq base frequency"),
+        (None, Some(g)) => (Some(g), "/proc/cpuinfo"),
+        (None, None) => (None, "unknown"),
+    };
+    #[cfg(target_arch = "x86_64")]
+    let (avx512f, avx2_fma, avx) = (
+        is_x86_feature_detected!("avx512f"),
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+        is_x86_feature_detected!("avx"),
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let (avx512f, avx2_fma, avx) = (false, false, false);
+    // Elsewhere the FLOP per cycle are not derived (NEON cores differ in pipes): no peak.
+    let ghz = if cfg!(target_arch = "x86_64") {
+        ghz
+    } else {
+        None
+    };
+    CpuFacts {
+        threads: graphtrain_runtime::pool::Pool::global().width(),
+        ghz,
+        clock_source,
+        vendor: field("vendor_id").unwrap_or_default(),
+        avx512f,
+        avx2_fma,
+        avx,
+    }
+}
+
+/// The peak MFU is reported against on `backend`: `given` (`--peak-gflops`) where set, else
+/// the cpu's derived peak on `cpu`, else none.
+pub fn peak(backend: &str, given: Option<f64>) -> Option<Peak> {
+    if let Some(gflops) = given {
+        return Some(Peak {
+            gflops,
+            source: "given with --peak-gflops".to_string(),
+        });
+    }
+    (backend == "cpu").then(|| cpu_peak(&cpu_facts())).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(vendor: &str, avx512f: bool, avx2_fma: bool) -> CpuFacts {
+        CpuFacts {
+            threads: 2,
+            ghz: Some(2.6),
+            clock_source: "/proc/cpuinfo",
+            vendor: vendor.to_string(),
+            avx512f,
+            avx2_fma,
+            avx: avx2_fma,
+        }
+    }
+
+    #[test]
+    fn peaks_of_the_machine_types_seen() {
+        // The Xeon DESIGN.md measured: 2 x 2.6 GHz x 64 = 332.8 GFLOP/s, its stated peak.
+        let xeon = cpu_peak(&facts("GenuineIntel", true, true)).unwrap();
+        assert!((xeon.gflops - 332.8).abs() < 1e-9, "{xeon:?}");
+        assert_eq!(
+            xeon.source,
+            "2 threads x 2.60 GHz (/proc/cpuinfo) x 64 FLOP/cycle (2 AVX-512 FMA pipes x 16 lanes x 2)"
+        );
+        // An EPYC (Zen 3, AVX2) at the same clock: half of it.
+        let epyc = cpu_peak(&facts("AuthenticAMD", false, true)).unwrap();
+        assert!((epyc.gflops - 166.4).abs() < 1e-9, "{epyc:?}");
+        // Zen 4 has AVX-512 on 256-bit pipes: no more FLOP per cycle than AVX2.
+        let zen4 = cpu_peak(&facts("AuthenticAMD", true, true)).unwrap();
+        assert_eq!(zen4.gflops, epyc.gflops);
+        // Without FMA: separate add and multiply pipes, and no AVX at all.
+        let mut old = facts("GenuineIntel", false, false);
+        old.avx = true;
+        assert!((cpu_peak(&old).unwrap().gflops - 83.2).abs() < 1e-9);
+        old.avx = false;
+        assert!((cpu_peak(&old).unwrap().gflops - 41.6).abs() < 1e-9);
+    }
+
+    #[test]
+    fn unknown_clock_gives_no_peak_and_a_given_peak_wins() {
+        let mut f = facts("GenuineIntel", true, true);
+        f.ghz = None;
+        assert_eq!(cpu_peak(&f), None);
+        let given = peak("wgpu", Some(1000.0)).unwrap();
+        assert_eq!(given.gflops, 1000.0);
+        assert_eq!(given.source, "given with --peak-gflops");
+        assert_eq!(peak("reference", None), None);
+        assert_eq!(peak("wgpu", None), None);
+    }
+}
