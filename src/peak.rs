@@ -20,8 +20,8 @@ pub struct Peak {
 pub struct CpuFacts {
     /// Threads the cpu backend runs on (its pool's width).
     pub threads: usize,
-    /// Clock in GHz: the base frequency where the OS gives it, else the one `/proc/cpuinfo`
-    /// reports (on a VM, usually the host's nominal clock).
+    /// Clock in GHz: cpufreq's base or boost frequency where the OS gives one, else the one
+    /// `/proc/cpuinfo` reports (on a VM, usually the host's nominal clock).
     pub ghz: Option<f64>,
     /// Where `ghz` came from, for the source sentence.
     pub clock_source: &'static str,
@@ -65,7 +65,8 @@ pub fn cpu_peak(facts: &CpuFacts) -> Option<Peak> {
     })
 }
 
-/// The facts of the cpu this process runs on. Outside Linux on x86_64 the clock is unknown.
+/// The facts of the cpu this process runs on. Off Linux, or off x86_64, the clock is unknown
+/// (so there is no peak without `--peak-gflops`).
 pub fn cpu_facts() -> CpuFacts {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |key: &str| {
@@ -74,19 +75,27 @@ pub fn cpu_facts() -> CpuFacts {
             (k.trim() == key).then(|| v.trim().to_string())
         })
     };
-    // intel_pstate's base frequency (kHz) is the sustained clock; VMs rarely expose it.
-    let base = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cpufreq/base_frequency")
-        .ok()
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .map(|khz| khz / 1e6);
+    let cpufreq_ghz = |file: &str| {
+        std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cpufreq/{file}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .map(|khz| khz / 1e6)
+    };
+    // intel_pstate's base frequency is the sustained clock. Other drivers give only the
+    // boost clock, which overstates the peak a little (so MFU errs low); `/proc/cpuinfo`'s
+    // is the current clock on bare metal, which can be far below it at idle, and the host's
+    // nominal one on a VM, where the other two are rarely exposed.
     let reported = field("cpu MHz")
         .and_then(|s| s.parse::<f64>().ok())
         .map(|mhz| mhz / 1e3);
-    let (ghz, clock_source) = match (base, reported) {
-        (Some(g), _) => (Some(g), "cpufreq base frequency"),
-        (None, Some(g)) => (Some(g), "/proc/cpuinfo"),
-        (None, None) => (None, "unknown"),
-    };
+    let (ghz, clock_source) = [
+        (cpufreq_ghz("base_frequency"), "cpufreq base frequency"),
+        (cpufreq_ghz("cpuinfo_max_freq"), "cpufreq boost frequency"),
+        (reported, "/proc/cpuinfo"),
+    ]
+    .into_iter()
+    .find_map(|(g, source)| g.filter(|g| *g > 0.0).map(|g| (Some(g), source)))
+    .unwrap_or((None, "unknown"));
     #[cfg(target_arch = "x86_64")]
     let (avx512f, avx2_fma, avx) = (
         is_x86_feature_detected!("avx512f"),

@@ -448,36 +448,31 @@ fn bench_reports_speed_compile_time_and_memory() {
 #[test]
 fn mfu_peak_can_be_given_and_a_bad_one_is_refused() {
     // The interpreter has no peak of its own; a given one is used and named as given.
-    let o = graphtrain(&[
-        "bench",
-        "--config",
-        "tiny",
-        "--backend",
-        "reference",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-        "--peak-gflops",
-        "10",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let bench_reference = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--config",
+            "tiny",
+            "--backend",
+            "reference",
+            "--steps",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        let o = graphtrain(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let out = bench_reference(&["--peak-gflops", "10"]);
     assert!(
         out.contains("of 10.0 GFLOP/s (given with --peak-gflops)"),
         "{out}"
     );
-    let o = graphtrain(&[
-        "bench",
-        "--config",
-        "tiny",
-        "--backend",
-        "reference",
-        "--steps",
-        "1",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("mfu: n/a (no known peak for reference; --peak-gflops sets one)"));
+    let out = bench_reference(&[]);
+    assert!(
+        out.contains("mfu: n/a (no known peak for reference; --peak-gflops sets one)"),
+        "{out}"
+    );
     for bad in ["0", "abc", "inf"] {
         let o = graphtrain(&["run", "--config", "tiny", &format!("--peak-gflops={bad}")]);
         assert_clean_error(
