@@ -10,9 +10,12 @@
 # Prints one line per round (median and best tok/s of each, and the ratio of the medians), then
 # the median ratio.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 rounds="${1:-6}"
-peer="${2:-../shared/peers/torch}"
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "vs_torch.sh: ROUNDS must be a positive integer, not '$rounds'" >&2; exit 2; }
+# A peer directory given relative to where the script was called from.
+if [ -n "${2:-}" ]; then peer="$(cd "$2" && pwd)"; fi
+cd "$(dirname "$0")/.."
+peer="${peer:-../shared/peers/torch}"
 bin="${CARGO_TARGET_DIR:-target}/release/graphtrain"
 [ -x "$bin" ] || { echo "vs_torch.sh: no $bin; run cargo build --release first" >&2; exit 1; }
 [ -x "$peer/venv/bin/python" ] || {
