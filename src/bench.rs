@@ -126,6 +126,7 @@ pub fn run(
     let med = median(measured);
     let best = measured.iter().copied().fold(f64::INFINITY, f64::min);
     let flops_per_token = trainer.model.flops_per_token();
+    let achieved_gflops = tokens as f64 / med * flops_per_token / 1e9;
     let t = &trainer.timings;
     let backend_is_compiled = labels.2 != "reference";
     let compile = CompileTimes {
@@ -154,10 +155,8 @@ pub fn run(
         median_step_s: med,
         first_step_s: times.first().copied().unwrap_or(f64::NAN),
         flops_per_token,
-        achieved_gflops: tokens as f64 / med * flops_per_token / 1e9,
-        mfu: peak
-            .as_ref()
-            .map(|p| tokens as f64 / med * flops_per_token / 1e9 / p.gflops),
+        achieved_gflops,
+        mfu: peak.as_ref().map(|p| achieved_gflops / p.gflops),
         peak_gflops: peak.as_ref().map(|p| p.gflops),
         peak_source: peak.map(|p| p.source),
         compile,
