@@ -4,7 +4,7 @@
 //!
 //! Every case runs a small graph (text format) on seeded random inputs: interpreter, cpu eager,
 //! cpu fused, both again with every step captured (replayed as bound launches, not dispatched
-//! through cubecl), and wgpu eager and fused (its Program with every composite decomposed).
+//! through cubecl), and wgpu eager and fused (the same composites kept, run on its own kernels).
 //! Each backend must match the interpreter to 1e-4 relative (the interpreter computes in f64
 //! and rounds each op to f32; the backends compute in f32); on each backend eager must equal
 //! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not
@@ -654,20 +654,25 @@ fn a_bad_cross_entropy_target_is_an_error() {
             .contains("target 5 at row 2 is out of range 0..5"),
         "{err}"
     );
-    // On a device the decomposed cross-entropy gathers by target; the index check names it.
+    // On a device the target check runs as a kernel before the loss's; its flag names the row.
     for backend in device_backends() {
-        let err = run_once(&g, backend, Mode::Fused, &inputs).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("(gather): index 5 at position 2 is out of range 0..5"),
-            "{backend}: {err}"
-        );
+        for (row, bad) in [(2, 5.0), (0, -1.0), (1, 0.5)] {
+            let mut inputs = random_inputs(&g, 0);
+            inputs[1].data[row] = bad;
+            let err = run_once(&g, backend, Mode::Fused, &inputs).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "(cross_entropy): cross-entropy target {bad} at row {row} is out of range 0..5"
+                )),
+                "{backend}: {err}"
+            );
+        }
     }
 }
 
-/// AdamW as one host step over several parameters (in place, merged) and as separate steps
-/// (eager), sizes around the 64-element block: against the interpreter, and bit for bit
-/// between the two lowerings.
+/// AdamW as one step over several parameters (in place, merged) and as separate steps
+/// (eager), sizes around the cpu's 64-element block, on cpu and on the device backends:
+/// against the interpreter, and bit for bit between the two lowerings.
 #[test]
 fn adamw_in_place_over_several_parameters() {
     let sizes = [70, 5, 128];
@@ -716,18 +721,23 @@ fn adamw_in_place_over_several_parameters() {
         })
         .collect();
     let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-    let fused = run_once(&g, Backend::Cpu, Mode::Fused, &inputs).unwrap();
-    let eager = run_once(&g, Backend::Cpu, Mode::Eager, &inputs).unwrap();
-    for (k, ((w, f), e)) in want.iter().zip(&fused).zip(&eager).enumerate() {
-        assert!(
-            rel_err(f, w) <= 1e-4,
-            "output {k} differs from the interpreter"
-        );
-        assert!(bitwise_equal(f, e), "output {k}: fused and eager differ");
-        assert!(
-            f.data.iter().all(|x| x.is_finite()),
-            "output {k} is not finite"
-        );
+    for backend in [Backend::Cpu].into_iter().chain(device_backends()) {
+        let fused = run_once(&g, backend, Mode::Fused, &inputs).unwrap();
+        let eager = run_once(&g, backend, Mode::Eager, &inputs).unwrap();
+        for (k, ((w, f), e)) in want.iter().zip(&fused).zip(&eager).enumerate() {
+            assert!(
+                rel_err(f, w) <= 1e-4,
+                "{backend}: output {k} differs from the interpreter"
+            );
+            assert!(
+                bitwise_equal(f, e),
+                "{backend}: output {k}: fused and eager differ"
+            );
+            assert!(
+                f.data.iter().all(|x| x.is_finite()),
+                "{backend}: output {k} is not finite"
+            );
+        }
     }
 }
 

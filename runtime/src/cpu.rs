@@ -518,7 +518,7 @@ shape {:?} strides {:?}",
 }
 
 /// Attention's shapes from its `[B, H, S, D]` query and `[B, Hkv, S, D]` key views.
-fn attention_dims(
+pub(crate) fn attention_dims(
     q: &View,
     k: &View,
     causal: bool,

@@ -7,8 +7,10 @@
 //!   preceded by an index check whose flag is read back before the step runs, so a bad index is
 //!   an error naming the step and position, never a silent wrong value;
 //! - iota and random values are computed on the host and written into the arena;
-//! - the composites the cpu backend runs as host steps (attention, rope, cross-entropy, AdamW)
-//!   are decomposed into primitives by the lowering (`Backend::keeps_composite`).
+//! - the composites the lowering keeps as one step (attention and its backward, rope,
+//!   cross-entropy and its backward, AdamW) launch `device_composites.rs`. Their rope angle
+//!   tables (written once at load) and the per-row statistics of their reductions (scratch that
+//!   every step reuses) live in the arena's tail, past the flag (`Tail`).
 //!
 //! What is not done yet: the kernels are simple (one unit per output, no shared-memory tiling),
 //! so this backend is correct, not fast. It is tested on Mesa's lavapipe (a Vulkan driver
@@ -18,16 +20,22 @@
 //! writes go through the same stream, so each sees the launches before it.
 
 use crate::cpu::{profile_key, profile_report, ProfileEntry};
+use crate::device_composites::{
+    adamw_kernel, attention_dq_kernel, attention_kernel, attention_kv_backward_kernel,
+    cross_entropy_backward_kernel, cross_entropy_rows_kernel, mean_kernel, rope_kernel,
+};
 use crate::device_kernels::{
     check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
 };
 use crate::launches::{Grid, Launches};
 use crate::replay::grid;
+use crate::rope::Tables;
 use crate::{Executor, RuntimeError};
 use cubecl::prelude::*;
 use graphtrain_ir::{HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
-use graphtrain_lowering::{Program, Step};
+use graphtrain_lowering::{Program, Step, View};
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// The widest vector the map kernels read on a device (WGSL's `vec4`).
@@ -111,6 +119,8 @@ pub struct DeviceExecutor {
     arena: cubecl::server::Handle,
     /// Elements of the arena the Program addresses; the index-check flag lives right after.
     len: usize,
+    /// What lies past the flag, and the buffer's size in elements.
+    tail: Tail,
     /// With `GRAPHTRAIN_PROFILE` set, every step is waited for and timed (after the first run,
     /// which compiles the kernels).
     profile: Option<Vec<ProfileEntry>>,
@@ -121,16 +131,18 @@ impl DeviceExecutor {
     pub fn new(program: Program, kind: DeviceKind) -> Result<Self, RuntimeError> {
         let device = kind.device()?;
         let client = open(&device, kind)?;
-        // Whole vectors, plus one vector holding the index-check flag.
+        // Whole vectors, plus one vector holding the index-check flag, then the tail.
         let len = program.arena_elems().next_multiple_of(VECTOR);
-        let bytes = (len + VECTOR) * 4;
+        let (tail, tables) = Tail::plan(&program, len + VECTOR);
+        let bytes = tail.end * 4;
         let max = client.properties().memory.max_page_size;
-        if bytes as u64 > max || len + VECTOR > u32::MAX as usize {
+        if bytes as u64 > max || tail.end > u32::MAX as usize {
             return Err(RuntimeError::DoesNotFit(format!(
-                "the program does not fit: the buffer plan needs {} ({}), and one buffer on \
-this {} device holds at most {}",
-                crate::mib(bytes),
+                "the program does not fit: the buffer plan needs {} ({}; with the \
+composites' tables and scratch {}), and one buffer on this {} device holds at most {}",
+                crate::mib(len * 4),
                 program.plan,
+                crate::mib(bytes),
                 kind.name(),
                 crate::mib(max.min(usize::MAX as u64) as usize)
             )));
@@ -143,11 +155,17 @@ this {} device holds at most {}",
             client,
             arena,
             len,
+            tail,
             profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
             runs: 0,
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
+        }
+        for (key, t) in &tables {
+            let at = exec.tail.rope[key];
+            exec.write_floats(at, &t.cos);
+            exec.write_floats(at + t.cos.len(), &t.sin);
         }
         Ok(exec)
     }
@@ -165,7 +183,7 @@ this {} device holds at most {}",
 
     /// The arena's elements `start..start + n`, as a handle for reads and writes.
     fn range(&self, start: usize, n: usize) -> cubecl::server::Handle {
-        let total = self.len + VECTOR;
+        let total = self.tail.end;
         self.arena
             .clone()
             .offset_start((start * 4) as u64)
@@ -198,19 +216,23 @@ this {} device holds at most {}",
     }
 
     fn buffer(&self) -> BufferArg {
-        // SAFETY: the arena holds `len + VECTOR` floats; every launch addresses inside it.
-        unsafe { BufferArg::from_raw_parts(self.arena.clone(), self.len + VECTOR) }
+        // SAFETY: the buffer holds `tail.end` floats; every launch addresses inside it.
+        unsafe { BufferArg::from_raw_parts(self.arena.clone(), self.tail.end) }
     }
 
-    /// Launches the index check over `n` indices at `index` and fails, naming step `i`, when
-    /// one is out of `0..bound`.
+    /// Launches the index check over `n` indices at `index` (`stride` apart) and fails, naming
+    /// step `i`, when one is out of `0..bound`. `what` names an index and its position in the
+    /// error, as `("index", "position")`.
+    #[allow(clippy::too_many_arguments)]
     fn check_indices(
         &self,
         i: usize,
         step: &Step,
         index: usize,
+        stride: usize,
         n: usize,
         bound: usize,
+        what: (&str, &str),
     ) -> Result<(), RuntimeError> {
         if n == 0 {
             return Ok(());
@@ -224,6 +246,7 @@ this {} device holds at most {}",
                 dim,
                 self.buffer(),
                 index,
+                stride,
                 n,
                 bound as f32,
                 self.len,
@@ -235,10 +258,12 @@ this {} device holds at most {}",
         }
         self.write_floats(self.len, &[0.0]);
         let pos = flag as usize - 1;
-        let x = self.read_floats(index + pos, 1)?[0];
+        let x = self.read_floats(index + pos * stride, 1)?[0];
         Err(RuntimeError::Input(format!(
-            "step {i} ({}): index {x} at position {pos} is out of range 0..{bound}",
-            step.kind()
+            "step {i} ({}): {} {x} at {} {pos} is out of range 0..{bound}",
+            step.kind(),
+            what.0,
+            what.1
         )))
     }
 
@@ -306,7 +331,7 @@ this {} device holds at most {}",
                 let ishape = &g.ty(*index).shape;
                 let total: usize = ishape.iter().product();
                 let (io, so, oo) = (self.off(*index), self.off(*src), self.off(*out));
-                self.check_indices(i, step, io, total, sshape[*axis])?;
+                self.check_indices(i, step, io, 1, total, sshape[*axis], INDEX)?;
                 if total == 0 {
                     return Ok(());
                 }
@@ -345,7 +370,15 @@ this {} device holds at most {}",
                 let sshape = &g.ty(*src).shape;
                 let ishape = &g.ty(*index).shape;
                 let io = self.off(*index);
-                self.check_indices(i, step, io, ishape.iter().product(), sshape[*axis])?;
+                self.check_indices(
+                    i,
+                    step,
+                    io,
+                    1,
+                    ishape.iter().product(),
+                    sshape[*axis],
+                    INDEX,
+                )?;
                 let total: usize = sshape.iter().product();
                 if total == 0 {
                     return Ok(());
@@ -415,15 +448,507 @@ this {} device holds at most {}",
                     .collect();
                 self.write_floats(self.off(*out), &values);
             }
+            Step::Attention { .. }
+            | Step::AttentionBackward { .. }
+            | Step::Rope { .. }
+            | Step::CrossEntropy { .. }
+            | Step::CrossEntropyBackward { .. }
+            | Step::AdamW { .. } => self.run_composite(i, step)?,
             other => {
                 return Err(RuntimeError::Backend(format!(
-                    "step {i} ({}) has no {} kernel: the lowering should have decomposed it",
+                    "step {i} ({}) has no {} kernel: the lowering should have lowered it to \
+map, copy or reduce launches",
                     other.kind(),
                     self.kind.name()
                 )))
             }
         }
         Ok(())
+    }
+
+    /// A view's arena offset and its four strides (rank 4, as attention and rope take them).
+    fn view4(&self, v: &View, what: &str) -> Result<(usize, [usize; 4]), RuntimeError> {
+        let strides: [usize; 4] = v.strides.as_slice().try_into().map_err(|_| {
+            RuntimeError::Backend(format!(
+                "{what} must be a rank-4 view, got shape {:?}",
+                v.shape
+            ))
+        })?;
+        Ok((self.off(v.base) + v.offset, strides))
+    }
+
+    /// An output view of attention: rank 4 with contiguous rows, as the lowering makes them.
+    fn out4(&self, v: &View, what: &str) -> Result<(usize, [usize; 4]), RuntimeError> {
+        let (at, strides) = self.view4(v, what)?;
+        if strides[3] != 1 {
+            return Err(RuntimeError::Backend(format!(
+                "{what} must have contiguous rows, got strides {strides:?}"
+            )));
+        }
+        Ok((at, strides))
+    }
+
+    /// Cross-entropy's operands after the target check: logits offset, row and column
+    /// strides, rows, classes; targets offset and stride.
+    fn cross_entropy_operands(
+        &self,
+        i: usize,
+        step: &Step,
+        logits: &View,
+        targets: &View,
+    ) -> Result<CrossEntropyOperands, RuntimeError> {
+        let (&[rows, cols], &[xr, xc], &[n], &[ts]) = (
+            logits.shape.as_slice(),
+            logits.strides.as_slice(),
+            targets.shape.as_slice(),
+            targets.strides.as_slice(),
+        ) else {
+            return Err(RuntimeError::Backend(format!(
+                "cross-entropy needs [N, C] logits and [N] targets, got {:?} and {:?}",
+                logits.shape, targets.shape
+            )));
+        };
+        if n != rows || cols == 0 {
+            return Err(RuntimeError::Backend(format!(
+                "cross-entropy needs one target per row of non-empty logits, got {:?} logits \
+and {n} targets",
+                logits.shape
+            )));
+        }
+        let t = self.off(targets.base) + targets.offset;
+        self.check_indices(i, step, t, ts, rows, cols, ("cross-entropy target", "row"))?;
+        Ok(CrossEntropyOperands {
+            x: self.off(logits.base) + logits.offset,
+            xr,
+            xc,
+            rows,
+            cols,
+            t,
+            ts,
+        })
+    }
+
+    /// Runs a composite step on `device_composites.rs`'s kernels.
+    fn run_composite(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
+        let scratch = self.tail.scratch;
+        match step {
+            Step::Rope { out, x, layout, .. } => {
+                let [b, seq, heads, d] = match x.shape.as_slice() {
+                    &[b, s, h, d] if d % 2 == 0 => [b, s, h, d],
+                    other => {
+                        return Err(RuntimeError::Backend(format!(
+                            "rope needs a [B, S, H, D] input with D even, got {other:?}"
+                        )))
+                    }
+                };
+                let (xo, xs) = self.view4(x, "rope's input")?;
+                let Some(&cos) = rope_key(step).and_then(|key| self.tail.rope.get(&key)) else {
+                    return Err(RuntimeError::Backend(format!(
+                        "step {i} (rope): no angle table was prepared for it at load"
+                    )));
+                };
+                let half = d / 2;
+                let total = b * seq * heads * half;
+                if total == 0 {
+                    return Ok(());
+                }
+                let (count, dim) = grid(units_for(total));
+                // SAFETY: the view, the output and the tables lie inside the buffer, the
+                // output apart from the input (the planner never places an output over a live
+                // operand).
+                unsafe {
+                    rope_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        xo,
+                        xs[0],
+                        xs[1],
+                        xs[2],
+                        xs[3],
+                        self.off(*out),
+                        cos,
+                        cos + seq * half,
+                        seq,
+                        heads,
+                        half,
+                        u32::from(*layout == graphtrain_ir::RopeLayout::Interleaved),
+                        total,
+                    )
+                };
+            }
+            Step::AdamW {
+                updates,
+                lr,
+                step: t,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                for u in updates {
+                    let n = self.program.graph.ty(u.p).numel();
+                    if n == 0 {
+                        continue;
+                    }
+                    let (count, dim) = grid(units_for(n));
+                    // SAFETY: every value lies inside the arena; an output is its own input
+                    // (in place, each element read before it is written by the same unit) or
+                    // apart from every operand.
+                    unsafe {
+                        adamw_kernel::launch_unchecked(
+                            &self.client,
+                            count,
+                            dim,
+                            self.buffer(),
+                            self.off(u.p),
+                            self.off(u.g),
+                            self.off(u.m),
+                            self.off(u.v),
+                            self.off(u.p_out),
+                            self.off(u.m_out),
+                            self.off(u.v_out),
+                            self.off(*lr),
+                            self.off(*t),
+                            *beta1 as f32,
+                            (1.0 - beta1) as f32,
+                            *beta2 as f32,
+                            (1.0 - beta2) as f32,
+                            *eps as f32,
+                            (-weight_decay) as f32,
+                            n,
+                        )
+                    };
+                }
+            }
+            Step::CrossEntropy {
+                out,
+                logits,
+                targets,
+            } => {
+                let x = self.cross_entropy_operands(i, step, logits, targets)?;
+                let (count, dim) = grid(units_for(x.rows));
+                let losses = scratch + 2 * x.rows;
+                // SAFETY: the views and the scratch lie inside the buffer; the targets were
+                // checked.
+                unsafe {
+                    cross_entropy_rows_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        x.x,
+                        x.xr,
+                        x.xc,
+                        x.t,
+                        x.ts,
+                        scratch,
+                        losses,
+                        1,
+                        x.cols,
+                        x.rows,
+                    );
+                    let (count, dim) = grid(1);
+                    mean_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        losses,
+                        self.off(*out),
+                        x.rows,
+                    )
+                };
+            }
+            Step::CrossEntropyBackward {
+                out,
+                logits,
+                targets,
+                grad,
+            } => {
+                let x = self.cross_entropy_operands(i, step, logits, targets)?;
+                let (count, dim) = grid(units_for(x.rows));
+                let total = x.rows * x.cols;
+                // SAFETY: as for the forward step; the output is apart from every operand.
+                unsafe {
+                    cross_entropy_rows_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        x.x,
+                        x.xr,
+                        x.xc,
+                        x.t,
+                        x.ts,
+                        scratch,
+                        scratch,
+                        0,
+                        x.cols,
+                        x.rows,
+                    );
+                    let (count, dim) = grid(units_for(total));
+                    cross_entropy_backward_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        x.x,
+                        x.xr,
+                        x.xc,
+                        x.t,
+                        x.ts,
+                        scratch,
+                        self.off(*grad),
+                        self.off(*out),
+                        x.cols,
+                        total,
+                    )
+                };
+            }
+            Step::Attention {
+                out,
+                q,
+                k,
+                v,
+                causal,
+                scale,
+            } => {
+                let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
+                let (qo, qs) = self.view4(q, "attention's queries")?;
+                let (ko, ks) = self.view4(k, "attention's keys")?;
+                let (vo, vs) = self.view4(v, "attention's values")?;
+                let (oo, os) = self.out4(out, "attention's output")?;
+                let total = d.batch * d.heads * d.seq;
+                if total == 0 || d.head_dim == 0 {
+                    return Ok(());
+                }
+                let (count, dim) = grid(units_for(total));
+                // SAFETY: the views and the output lie inside the arena, the output apart from
+                // them (the planner never places an output over a live operand).
+                unsafe {
+                    attention_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        qo,
+                        qs[0],
+                        qs[1],
+                        qs[2],
+                        qs[3],
+                        ko,
+                        ks[0],
+                        ks[1],
+                        ks[2],
+                        ks[3],
+                        vo,
+                        vs[0],
+                        vs[1],
+                        vs[2],
+                        vs[3],
+                        oo,
+                        os[0],
+                        os[1],
+                        os[2],
+                        d.heads,
+                        d.heads / d.kv_heads,
+                        d.seq,
+                        d.head_dim,
+                        u32::from(d.causal),
+                        d.scale,
+                        total,
+                    )
+                };
+            }
+            Step::AttentionBackward {
+                dq,
+                dk,
+                dv,
+                q,
+                k,
+                v,
+                dout,
+                causal,
+                scale,
+            } => {
+                let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
+                let (qo, qs) = self.view4(q, "attention's queries")?;
+                let (ko, ks) = self.view4(k, "attention's keys")?;
+                let (vo, vs) = self.view4(v, "attention's values")?;
+                let (go, gs) = self.view4(dout, "attention's output gradient")?;
+                let (dqo, dqs) = self.out4(dq, "the query gradient")?;
+                let (dko, dks) = self.out4(dk, "the key gradient")?;
+                let (dvo, dvs) = self.out4(dv, "the value gradient")?;
+                let rows = d.batch * d.heads * d.seq;
+                let key_rows = d.batch * d.kv_heads * d.seq;
+                if rows == 0 || d.head_dim == 0 {
+                    return Ok(());
+                }
+                let group = d.heads / d.kv_heads;
+                // SAFETY: the views, the outputs and the scratch lie inside the buffer; the
+                // three outputs are distinct and apart from the operands.
+                unsafe {
+                    let (count, dim) = grid(units_for(rows));
+                    attention_dq_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        qo,
+                        qs[0],
+                        qs[1],
+                        qs[2],
+                        qs[3],
+                        ko,
+                        ks[0],
+                        ks[1],
+                        ks[2],
+                        ks[3],
+                        vo,
+                        vs[0],
+                        vs[1],
+                        vs[2],
+                        vs[3],
+                        go,
+                        gs[0],
+                        gs[1],
+                        gs[2],
+                        gs[3],
+                        dqo,
+                        dqs[0],
+                        dqs[1],
+                        dqs[2],
+                        scratch,
+                        d.heads,
+                        group,
+                        d.seq,
+                        d.head_dim,
+                        u32::from(d.causal),
+                        d.scale,
+                        rows,
+                    );
+                    let (count, dim) = grid(units_for(key_rows));
+                    attention_kv_backward_kernel::launch_unchecked(
+                        &self.client,
+                        count,
+                        dim,
+                        self.buffer(),
+                        qo,
+                        qs[0],
+                        qs[1],
+                        qs[2],
+                        qs[3],
+                        ko,
+                        ks[0],
+                        ks[1],
+                        ks[2],
+                        ks[3],
+                        vo,
+                        vs[0],
+                        vs[1],
+                        vs[2],
+                        vs[3],
+                        go,
+                        gs[0],
+                        gs[1],
+                        gs[2],
+                        gs[3],
+                        dko,
+                        dks[0],
+                        dks[1],
+                        dks[2],
+                        dvo,
+                        dvs[0],
+                        dvs[1],
+                        dvs[2],
+                        scratch,
+                        d.kv_heads,
+                        group,
+                        d.seq,
+                        d.head_dim,
+                        u32::from(d.causal),
+                        d.scale,
+                        key_rows,
+                    )
+                };
+            }
+            _ => unreachable!("not a composite step"),
+        }
+        Ok(())
+    }
+}
+
+/// How `check_indices` names a gather's or scatter-add's index.
+const INDEX: (&str, &str) = ("index", "position");
+
+struct CrossEntropyOperands {
+    x: usize,
+    xr: usize,
+    xc: usize,
+    rows: usize,
+    cols: usize,
+    t: usize,
+    ts: usize,
+}
+
+/// What tells rope tables apart: theta's bits, sequence length, head dim, inverse.
+type RopeKey = (u64, usize, usize, bool);
+
+fn rope_key(step: &Step) -> Option<RopeKey> {
+    match step {
+        Step::Rope {
+            x, theta, inverse, ..
+        } if x.shape.len() == 4 => Some((theta.to_bits(), x.shape[1], x.shape[3], *inverse)),
+        _ => None,
+    }
+}
+
+/// The buffer past the Program's values and the index-check flag: each distinct rope step's
+/// `[S, D/2]` cos and sin tables (cos at the offset, sin right after), then scratch that the
+/// reductions of the composite steps share (each step's scratch is dead once it ends, and
+/// steps run in order on one stream).
+struct Tail {
+    rope: HashMap<RopeKey, usize>,
+    scratch: usize,
+    /// Elements in the whole buffer.
+    end: usize,
+}
+
+impl Tail {
+    /// The tail of `program`'s buffer starting at element `start`, and the tables to write.
+    fn plan(program: &Program, start: usize) -> (Tail, Vec<(RopeKey, Tables)>) {
+        let mut at = start;
+        let mut rope = HashMap::new();
+        let mut tables = Vec::new();
+        let mut scratch = 0usize;
+        for step in &program.steps {
+            if let Some(key @ (theta, seq, d, inverse)) = rope_key(step) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = rope.entry(key) {
+                    let t = Tables::new(f64::from_bits(theta), seq, d, inverse);
+                    slot.insert(at);
+                    at += (t.cos.len() + t.sin.len()).next_multiple_of(VECTOR);
+                    tables.push((key, t));
+                }
+            }
+            let need = match step {
+                Step::CrossEntropy { logits, .. } => 3 * logits.shape.first().copied().unwrap_or(0),
+                Step::CrossEntropyBackward { logits, .. } => {
+                    2 * logits.shape.first().copied().unwrap_or(0)
+                }
+                // Three statistics per query row.
+                Step::AttentionBackward { q, .. } => 3 * q.shape.iter().take(3).product::<usize>(),
+                _ => 0,
+            };
+            scratch = scratch.max(need);
+        }
+        let tail = Tail {
+            rope,
+            scratch: at,
+            end: at + scratch.next_multiple_of(VECTOR),
+        };
+        (tail, tables)
     }
 }
 
@@ -532,6 +1057,6 @@ impl Executor for DeviceExecutor {
     }
 
     fn memory_bytes(&self) -> usize {
-        (self.len + VECTOR) * 4
+        self.tail.end * 4
     }
 }

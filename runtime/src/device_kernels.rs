@@ -52,15 +52,22 @@ pub fn matmul_kernel(
     }
 }
 
-/// Flags the first index out of `[0, bound)` or not a whole number, among `n` contiguous
-/// indices at `index`: writes its position + 1 into `arena[status]`. Which bad position wins
-/// when there are several is up to the schedule; each write is one whole float.
+/// Flags an index out of `[0, bound)` or not a whole number, among `n` indices at `index`,
+/// `stride` apart: writes its position + 1 into `arena[status]`. Which bad position wins when
+/// there are several is up to the schedule; each write is one whole float.
 #[cube(launch_unchecked)]
-pub fn check_indices_kernel(arena: &mut [f32], index: usize, n: usize, bound: f32, status: usize) {
+pub fn check_indices_kernel(
+    arena: &mut [f32],
+    index: usize,
+    stride: usize,
+    n: usize,
+    bound: f32,
+    status: usize,
+) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < n {
-        let x = arena[index + e];
+        let x = arena[index + e * stride];
         let whole = f32::floor(x) == x;
         if !(x >= 0.0 && x < bound && whole) {
             arena[status] = f32::cast_from(e + 1);

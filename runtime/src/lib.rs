@@ -6,7 +6,8 @@
 //!   read values back. Parameters and optimizer state stay in the arena between steps (their
 //!   outputs are donated to their inputs), so a training loop only writes the batch;
 //! - `cpu` (cubecl-cpu) is the fast compiled backend; `device` runs the same Programs on
-//!   `wgpu` and `cuda`, with their composites decomposed; `reference` runs the interpreter.
+//!   `wgpu` and `cuda`, its composites on kernels of their own; `reference` runs the
+//!   interpreter.
 //!
 //! Invariant: an executor never changes a Program's numerics: the same Program on the same
 //! backend gives bitwise identical results every run (no autotuning, fixed summation orders).
@@ -16,6 +17,7 @@ pub mod attention;
 pub mod cpu;
 pub mod cross_entropy;
 pub mod device;
+pub mod device_composites;
 pub mod device_kernels;
 pub mod gemm;
 pub mod kernels;
@@ -76,13 +78,13 @@ impl Backend {
         }
     }
 
-    /// Whether a Program for this backend keeps composite `op` as one step. The cpu backend
-    /// runs the composites `kept_composite` names as host steps; the device backends have no
-    /// kernels for them, so their Programs hold primitives only.
+    /// Whether a Program for this backend keeps composite `op` as one step. Every backend keeps
+    /// the composites `kept_composite` names: the cpu backend runs them as host steps, the
+    /// device backends as `device_composites.rs` kernels. A backend without such a kernel
+    /// would answer `false` here and get the composite decomposed into primitives.
     pub fn keeps_composite(self, op: &Op) -> bool {
         match self {
-            Backend::Reference | Backend::Cpu => kept_composite(op),
-            Backend::Wgpu | Backend::Cuda => false,
+            Backend::Reference | Backend::Cpu | Backend::Wgpu | Backend::Cuda => kept_composite(op),
         }
     }
 }

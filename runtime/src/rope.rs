@@ -11,8 +11,8 @@ use graphtrain_ir::RopeLayout;
 
 /// The `[S, D/2]` cos and sin tables.
 pub struct Tables {
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    pub(crate) cos: Vec<f32>,
+    pub(crate) sin: Vec<f32>,
 }
 
 impl Tables {

@@ -1,0 +1,507 @@
+//! The device backends' kernels for the composites the lowering keeps as one step each
+//! (`lowering::program::kept_composite`): rotary embedding, AdamW, cross-entropy and its
+//! gradient, causal grouped-query attention and its gradient.
+//!
+//! Why: decomposed, attention materializes its `[B, H, S, S]` scores and probabilities in the
+//! arena (on `peer` 305 MiB planned against 225), cross-entropy makes five passes over the
+//! logits plus a one-hot, and AdamW one launch per output per parameter. Each kernel here is one
+//! pass (two or three for the reductions) with nothing of that size stored.
+//!
+//! Like `device_kernels.rs`, every kernel addresses the one arena buffer with element offsets
+//! passed at launch, and unit `u` of `U` takes outputs `u, u + U, ...`. Operands are strided
+//! views (offset plus one stride per dim), so a transpose feeding a composite is read in place.
+//! Some kernels need room of their own: the rope angle tables and the per-row statistics of
+//! the reductions live in the arena's tail, past the index-check flag (`device.rs`).
+//!
+//! Numerics: each output is computed by one unit in a fixed order (sums over keys, classes or
+//! query rows in index order; a group's query heads in ascending order), so the same Program
+//! gives the same bits every run, and the eager and the fused lowerings, which keep the same
+//! composites, give the same bits. The arithmetic follows `graphtrain_ir::decompose` and the
+//! cpu host steps in formula, not in rounding: these kernels agree with the interpreter within
+//! f32 rounding, not bit for bit with the cpu backend.
+//!
+//! What is not done yet: one unit per output row with no shared-memory tiling; correct, not
+//! fast, as the rest of the device backends.
+
+use cubecl::prelude::*;
+
+/// Rotary embedding: for every `[B, S, H]` head and pair `(x1, x2)` of its `D` elements (`Half`:
+/// elements `i` and `i + D/2`; interleaved: `2i` and `2i + 1`), `y1 = x1·cos - x2·sin`,
+/// `y2 = x1·sin + x2·cos` with the angle tables at `cos` and `sin` (`[S, D/2]` each, built on
+/// the host in f64 as the decomposition builds them). `x` is a strided view, the output
+/// contiguous `[B, S, H, D]` at `out`. One unit per pair.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kernel(
+    arena: &mut [f32],
+    x: usize,
+    x0: usize,
+    x1: usize,
+    x2: usize,
+    x3: usize,
+    out: usize,
+    cos: usize,
+    sin: usize,
+    seq: usize,
+    heads: usize,
+    half: usize,
+    interleaved: u32,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let i = e % half;
+        let t = e / half;
+        let h = t % heads;
+        let row = t / heads;
+        let pos = row % seq;
+        let b = row / seq;
+        let mut j1 = i;
+        let mut j2 = i + half;
+        if interleaved == 1 {
+            j1 = 2 * i;
+            j2 = 2 * i + 1;
+        }
+        let src = x + b * x0 + pos * x1 + h * x2;
+        let a = arena[src + j1 * x3];
+        let c = arena[src + j2 * x3];
+        let co = arena[cos + pos * half + i];
+        let si = arena[sin + pos * half + i];
+        let dst = out + t * 2 * half;
+        arena[dst + j1] = a * co - c * si;
+        arena[dst + j2] = a * si + c * co;
+        e += units;
+    }
+}
+
+/// One AdamW update of `n` elements, `p`, `g`, `m`, `v` into `p_out`, `m_out`, `v_out` (each
+/// either its own input, in place, or apart from every operand). The learning rate and step
+/// count are read from the arena (`lr`, `step`); the hyperparameters come as the f32 the
+/// decomposition uses (`1 - beta` computed in f64 on the host). Per element, as
+/// `graphtrain_ir::decompose`: `m' = m·b1 + g·(1 - b1)`, `v' = v·b2 + (g·g)·(1 - b2)`,
+/// `p' = p·(lr·(-wd) + 1) - ((lr / bc1)·m') / (sqrt(v') / sqrt(bc2) + eps)` with
+/// `bc = 1 - beta^t`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_kernel(
+    arena: &mut [f32],
+    p: usize,
+    g: usize,
+    m: usize,
+    v: usize,
+    p_out: usize,
+    m_out: usize,
+    v_out: usize,
+    lr: usize,
+    step: usize,
+    b1: f32,
+    one_minus_b1: f32,
+    b2: f32,
+    one_minus_b2: f32,
+    eps: f32,
+    neg_weight_decay: f32,
+    n: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let rate = arena[lr];
+    let t = arena[step];
+    let bc1 = f32::new(1.0) - f32::powf(b1, t);
+    let bc2 = f32::new(1.0) - f32::powf(b2, t);
+    let decay = rate * neg_weight_decay + f32::new(1.0);
+    let step_size = rate / bc1;
+    let sqrt_bc2 = f32::sqrt(bc2);
+    let mut e = ABSOLUTE_POS;
+    while e < n {
+        let gi = arena[g + e];
+        let m1 = arena[m + e] * b1 + gi * one_minus_b1;
+        let v1 = arena[v + e] * b2 + gi * gi * one_minus_b2;
+        let update = (step_size * m1) / (f32::sqrt(v1) / sqrt_bc2 + eps);
+        let p1 = arena[p + e] * decay - update;
+        arena[p_out + e] = p1;
+        arena[m_out + e] = m1;
+        arena[v_out + e] = v1;
+        e += units;
+    }
+}
+
+/// Per row `r` of the `[rows, cols]` logits view `x` (row stride `xr`, column stride `xc`):
+/// `mx = max_j x_j` and `s = Σ_j exp(x_j - mx)`, into `stats[2r]` and `stats[2r + 1]`. When
+/// `targets` is set (`with_loss == 1`), also `loss_r = (mx + ln s) - x_t` into
+/// `losses[r]`, `t` read from the targets view (stride `ts`; checked beforehand).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_rows_kernel(
+    arena: &mut [f32],
+    x: usize,
+    xr: usize,
+    xc: usize,
+    targets: usize,
+    ts: usize,
+    stats: usize,
+    losses: usize,
+    with_loss: u32,
+    cols: usize,
+    rows: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut r = ABSOLUTE_POS;
+    while r < rows {
+        let row = x + r * xr;
+        let mut mx = arena[row];
+        for j in 1..cols {
+            mx = max(mx, arena[row + j * xc]);
+        }
+        let mut s = f32::new(0.0);
+        for j in 0..cols {
+            s += f32::exp(arena[row + j * xc] - mx);
+        }
+        arena[stats + 2 * r] = mx;
+        arena[stats + 2 * r + 1] = s;
+        if with_loss == 1 {
+            let t = usize::cast_from(arena[targets + r * ts]);
+            arena[losses + r] = (mx + f32::ln(s)) - arena[row + t * xc];
+        }
+        r += units;
+    }
+}
+
+/// `out = (Σ_r losses[r]) / rows`, the rows summed in order by one unit.
+#[cube(launch_unchecked)]
+pub fn mean_kernel(arena: &mut [f32], losses: usize, out: usize, rows: usize) {
+    if ABSOLUTE_POS == 0 {
+        let mut total = f32::new(0.0);
+        for r in 0..rows {
+            total += arena[losses + r];
+        }
+        arena[out] = total / f32::cast_from(rows);
+    }
+}
+
+/// Cross-entropy's gradient into the contiguous `[rows, cols]` output at `out`:
+/// `(exp(x_j - mx) / s - [j == t]) · (g / rows)`, with each row's `mx` and `s` from
+/// `cross_entropy_rows_kernel` at `stats` and the upstream gradient `g` read at `grad`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_backward_kernel(
+    arena: &mut [f32],
+    x: usize,
+    xr: usize,
+    xc: usize,
+    targets: usize,
+    ts: usize,
+    stats: usize,
+    grad: usize,
+    out: usize,
+    cols: usize,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let rows = total / cols;
+    let scale = arena[grad] / f32::cast_from(rows);
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let j = e % cols;
+        let r = e / cols;
+        let mx = arena[stats + 2 * r];
+        let s = arena[stats + 2 * r + 1];
+        let p = f32::exp(arena[x + r * xr + j * xc] - mx) / s;
+        let t = usize::cast_from(arena[targets + r * ts]);
+        let mut hot = f32::new(0.0);
+        if j == t {
+            hot = f32::new(1.0);
+        }
+        arena[out + e] = (p - hot) * scale;
+        e += units;
+    }
+}
+
+/// The score `(q_i · k_j) · scale` of query row `q` (element stride `qd`) against key row `k`
+/// (element stride `kd`) over `d` elements.
+#[cube]
+fn score(arena: &mut [f32], q: usize, qd: usize, k: usize, kd: usize, d: usize, scale: f32) -> f32 {
+    let mut dot = f32::new(0.0);
+    for x in 0..d {
+        dot += arena[q + x * qd] * arena[k + x * kd];
+    }
+    dot * scale
+}
+
+/// A softmax row's statistics: its largest score and `Σ exp(s - max)`.
+#[derive(CubeType, Clone, Copy)]
+struct Softmax {
+    max: f32,
+    sum: f32,
+}
+
+/// The softmax statistics of query row `q`'s scores against the first `keys` rows of `k`
+/// (row stride `kr`): the softmax's statistics.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn softmax_stats(
+    arena: &mut [f32],
+    q: usize,
+    qd: usize,
+    k: usize,
+    kr: usize,
+    kd: usize,
+    keys: usize,
+    d: usize,
+    scale: f32,
+) -> Softmax {
+    let mut mx = score(arena, q, qd, k, kd, d, scale);
+    for j in 1..keys {
+        mx = max(mx, score(arena, q, qd, k + j * kr, kd, d, scale));
+    }
+    let mut sum = f32::new(0.0);
+    for j in 0..keys {
+        sum += f32::exp(score(arena, q, qd, k + j * kr, kd, d, scale) - mx);
+    }
+    Softmax { max: mx, sum }
+}
+
+/// Attention forward, `out_i = Σ_j softmax_j((q_i · k_j) · scale) v_j` over the keys `j`
+/// (`j ≤ i` when `causal == 1`), one unit per query row of `[B, H, S, D]` (`total = B·H·S`);
+/// query head `h` reads kv head `h / (H / Hkv)`. Views: offset and four strides each; the
+/// output's rows contiguous. The unnormalized sum is accumulated in the output row, then
+/// divided by the softmax's sum.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_kernel(
+    arena: &mut [f32],
+    q: usize,
+    q0: usize,
+    q1: usize,
+    q2: usize,
+    q3: usize,
+    k: usize,
+    k0: usize,
+    k1: usize,
+    k2: usize,
+    k3: usize,
+    v: usize,
+    v0: usize,
+    v1: usize,
+    v2: usize,
+    v3: usize,
+    o: usize,
+    o0: usize,
+    o1: usize,
+    o2: usize,
+    heads: usize,
+    group: usize,
+    seq: usize,
+    d: usize,
+    causal: u32,
+    scale: f32,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let i = e % seq;
+        let t = e / seq;
+        let h = t % heads;
+        let b = t / heads;
+        let kvh = h / group;
+        let qi = q + b * q0 + h * q1 + i * q2;
+        let kb = k + b * k0 + kvh * k1;
+        let vb = v + b * v0 + kvh * v1;
+        let oi = o + b * o0 + h * o1 + i * o2;
+        let mut keys = seq;
+        if causal == 1 {
+            keys = i + 1;
+        }
+        let stats_i = softmax_stats(arena, qi, q3, kb, k2, k3, keys, d, scale);
+        let mx = stats_i.max;
+        let sum = stats_i.sum;
+        for x in 0..d {
+            arena[oi + x] = f32::new(0.0);
+        }
+        for j in 0..keys {
+            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx);
+            for x in 0..d {
+                arena[oi + x] += p * arena[vb + j * v2 + x * v3];
+            }
+        }
+        for x in 0..d {
+            arena[oi + x] /= sum;
+        }
+        e += units;
+    }
+}
+
+/// Attention backward, first half: one unit per query row (as `attention_kernel`). With
+/// `p_j = softmax_j(s_j)` and `dp_j = dout_i · v_j`, it stores the row's softmax max, sum and
+/// `δ = Σ_j p_j dp_j` at `stats + 3e` for `attention_kv_backward_kernel`, and writes
+/// `dq_i = (Σ_j p_j (dp_j - δ) k_j) · scale` (accumulated in the output row).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_dq_kernel(
+    arena: &mut [f32],
+    q: usize,
+    q0: usize,
+    q1: usize,
+    q2: usize,
+    q3: usize,
+    k: usize,
+    k0: usize,
+    k1: usize,
+    k2: usize,
+    k3: usize,
+    v: usize,
+    v0: usize,
+    v1: usize,
+    v2: usize,
+    v3: usize,
+    g: usize,
+    g0: usize,
+    g1: usize,
+    g2: usize,
+    g3: usize,
+    dq: usize,
+    dq0: usize,
+    dq1: usize,
+    dq2: usize,
+    stats: usize,
+    heads: usize,
+    group: usize,
+    seq: usize,
+    d: usize,
+    causal: u32,
+    scale: f32,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let i = e % seq;
+        let t = e / seq;
+        let h = t % heads;
+        let b = t / heads;
+        let kvh = h / group;
+        let qi = q + b * q0 + h * q1 + i * q2;
+        let gi = g + b * g0 + h * g1 + i * g2;
+        let kb = k + b * k0 + kvh * k1;
+        let vb = v + b * v0 + kvh * v1;
+        let di = dq + b * dq0 + h * dq1 + i * dq2;
+        let mut keys = seq;
+        if causal == 1 {
+            keys = i + 1;
+        }
+        let stats_i = softmax_stats(arena, qi, q3, kb, k2, k3, keys, d, scale);
+        let mx = stats_i.max;
+        let sum = stats_i.sum;
+        let mut delta = f32::new(0.0);
+        for j in 0..keys {
+            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx) / sum;
+            delta += p * score(arena, gi, g3, vb + j * v2, v3, d, f32::new(1.0));
+        }
+        arena[stats + 3 * e] = mx;
+        arena[stats + 3 * e + 1] = sum;
+        arena[stats + 3 * e + 2] = delta;
+        for x in 0..d {
+            arena[di + x] = f32::new(0.0);
+        }
+        for j in 0..keys {
+            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx) / sum;
+            let dp = score(arena, gi, g3, vb + j * v2, v3, d, f32::new(1.0));
+            let ds = p * (dp - delta);
+            for x in 0..d {
+                arena[di + x] += ds * arena[kb + j * k2 + x * k3];
+            }
+        }
+        for x in 0..d {
+            arena[di + x] *= scale;
+        }
+        e += units;
+    }
+}
+
+/// Attention backward, second half: one unit per key row of `[B, Hkv, S, D]` (`total =
+/// B·Hkv·S`). Over the query heads of its group in ascending order, then the query rows `i`
+/// that see key `j` in order, with the row statistics of `attention_dq_kernel`:
+/// `dv_j = Σ p_ij dout_i` and `dk_j = (Σ p_ij (dp_ij - δ_i) q_i) · scale`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_kv_backward_kernel(
+    arena: &mut [f32],
+    q: usize,
+    q0: usize,
+    q1: usize,
+    q2: usize,
+    q3: usize,
+    k: usize,
+    k0: usize,
+    k1: usize,
+    k2: usize,
+    k3: usize,
+    v: usize,
+    v0: usize,
+    v1: usize,
+    v2: usize,
+    v3: usize,
+    g: usize,
+    g0: usize,
+    g1: usize,
+    g2: usize,
+    g3: usize,
+    dk: usize,
+    dk0: usize,
+    dk1: usize,
+    dk2: usize,
+    dv: usize,
+    dv0: usize,
+    dv1: usize,
+    dv2: usize,
+    stats: usize,
+    kv_heads: usize,
+    group: usize,
+    seq: usize,
+    d: usize,
+    causal: u32,
+    scale: f32,
+    total: usize,
+) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let heads = kv_heads * group;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        let j = e % seq;
+        let t = e / seq;
+        let kvh = t % kv_heads;
+        let b = t / kv_heads;
+        let kj = k + b * k0 + kvh * k1 + j * k2;
+        let vj = v + b * v0 + kvh * v1 + j * v2;
+        let dkj = dk + b * dk0 + kvh * dk1 + j * dk2;
+        let dvj = dv + b * dv0 + kvh * dv1 + j * dv2;
+        for x in 0..d {
+            arena[dkj + x] = f32::new(0.0);
+            arena[dvj + x] = f32::new(0.0);
+        }
+        let mut first = 0;
+        if causal == 1 {
+            first = j;
+        }
+        for r in 0..group {
+            let h = kvh * group + r;
+            for i in first..seq {
+                let qi = q + b * q0 + h * q1 + i * q2;
+                let gi = g + b * g0 + h * g1 + i * g2;
+                let row = stats + 3 * ((b * heads + h) * seq + i);
+                let p =
+                    f32::exp(score(arena, qi, q3, kj, k3, d, scale) - arena[row]) / arena[row + 1];
+                let dp = score(arena, gi, g3, vj, v3, d, f32::new(1.0));
+                let ds = p * (dp - arena[row + 2]);
+                for x in 0..d {
+                    arena[dvj + x] += p * arena[gi + x * g3];
+                    arena[dkj + x] += ds * arena[qi + x * q3];
+                }
+            }
+        }
+        for x in 0..d {
+            arena[dkj + x] *= scale;
+        }
+        e += units;
+    }
+}
