@@ -520,6 +520,45 @@ fn attention_forward_and_backward_grouped_query() {
     }
 }
 
+/// The composites at their smallest: one query row and one element per head (a causal
+/// softmax over a single key), rope on one pair, cross-entropy over one class and over one
+/// row. The device kernels' first-element starts (max from the first key or class) meet
+/// their edge here.
+#[test]
+fn composites_at_their_smallest_sizes() {
+    check(
+        "smallest composites",
+        "graph g {
+  input %q: f32[1,2,1,1]
+  input %k: f32[1,1,1,1]
+  input %v: f32[1,1,1,1]
+  input %g: f32[1,2,1,1]
+  input %x: f32[1,1,1,2]
+  input %l1: f32[3,1]
+  input %t1: i32[3]
+  input %l2: f32[1,4]
+  input %t2: i32[1]
+  input %s: f32[]
+  %10: f32[1,2,1,1] = attention(%q, %k, %v, causal=true, scale=0.5)
+  %11: f32[1,2,1,1], %12: f32[1,1,1,1], %13: f32[1,1,1,1] = attention_backward(%q, %k, %v, %g, causal=true, scale=0.5)
+  %14: f32[1,1,1,2] = rope(%x, theta=10000.0, layout=half, inverse=false)
+  %15: f32[] = cross_entropy(%l1, %t1)
+  %16: f32[3,1] = cross_entropy_backward(%l1, %t1, %s)
+  %17: f32[] = cross_entropy(%l2, %t2)
+  %18: f32[1,4] = cross_entropy_backward(%l2, %t2, %s)
+  output o = %10
+  output dq = %11
+  output dk = %12
+  output dv = %13
+  output r = %14
+  output ce1 = %15
+  output dce1 = %16
+  output ce2 = %17
+  output dce2 = %18
+}",
+    );
+}
+
 /// Rotary embedding runs as one step on cpu: both layouts, forward and inverse (the gradient),
 /// odd sequence and head counts, and an input read through a transpose.
 #[test]
