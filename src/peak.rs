@@ -6,9 +6,10 @@
 //! AVX-512 and an EPYC with AVX2 only, at half the FLOP per cycle), so a constant would report
 //! half the MFU on one of them. The clock is the higher of the one the OS states and the one
 //! measured here: a VM states its host's nominal clock (2.45 GHz on the EPYC) while the cores
-//! run faster (2.9 GHz), which overstated MFU by a fifth. So MFU errs low, never high. `--peak-gflops` replaces the derivation where it is wrong (a
-//! Xeon with one 512-bit FMA unit per core, a clock the VM hides). Device backends have no
-//! peak yet unless given one: it depends on which GPU (or lavapipe) they found.
+//! run faster (2.9 GHz), which overstated MFU by a fifth. So MFU errs low, never high.
+//! `--peak-gflops` replaces the derivation where it is wrong (a Xeon with one 512-bit FMA unit
+//! per core, a clock the VM hides). Device backends have no peak yet unless given one: it
+//! depends on which GPU (or lavapipe) they found.
 
 /// A peak and the sentence that says where it came from.
 #[derive(Clone, Debug, PartialEq)]
