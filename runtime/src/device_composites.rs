@@ -235,7 +235,10 @@ struct Softmax {
 }
 
 /// The softmax statistics of query row `q`'s scores against the first `keys` rows of `k`
-/// (row stride `kr`): the softmax's statistics.
+/// (row stride `kr`), in one pass over the keys: the sum is kept relative to the largest score
+/// so far and rescaled by `exp(old - new)` when a larger one comes, so each score (a dot
+/// product over the head) is computed once here instead of once for the max and again for the
+/// sum.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn softmax_stats(
@@ -250,12 +253,15 @@ fn softmax_stats(
     scale: f32,
 ) -> Softmax {
     let mut mx = score(arena, q, qd, k, kd, d, scale);
+    let mut sum = f32::new(1.0);
     for j in 1..keys {
-        mx = max(mx, score(arena, q, qd, k + j * kr, kd, d, scale));
-    }
-    let mut sum = f32::new(0.0);
-    for j in 0..keys {
-        sum += f32::exp(score(arena, q, qd, k + j * kr, kd, d, scale) - mx);
+        let s = score(arena, q, qd, k + j * kr, kd, d, scale);
+        if s > mx {
+            sum = sum * f32::exp(mx - s) + f32::new(1.0);
+            mx = s;
+        } else {
+            sum += f32::exp(s - mx);
+        }
     }
     Softmax { max: mx, sum }
 }
