@@ -60,7 +60,7 @@ pub struct CpuExecutor {
     /// Whether launches dispatched through cubecl may still be queued.
     queued: bool,
     /// Rotary angle tables by (theta bits, sequence, head dim, inverse), built on first use.
-    rope_tables: std::collections::HashMap<(u64, usize, usize, bool), rope::Tables>,
+    rope_tables: std::collections::HashMap<rope::TableKey, rope::Tables>,
     /// Time spent in the first run (kernel JIT included).
     pub first_run: Option<Duration>,
     /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
@@ -502,7 +502,7 @@ shape {:?} strides {:?}",
                     strides,
                 };
                 let out = self.off(*out);
-                let key = (theta.to_bits(), sq, d, *inverse);
+                let key = rope::Tables::key(*theta, sq, d, *inverse);
                 let tables = self
                     .rope_tables
                     .entry(key)

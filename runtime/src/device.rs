@@ -29,7 +29,7 @@ use crate::device_kernels::{
 };
 use crate::launches::{Grid, Launches};
 use crate::replay::grid;
-use crate::rope::Tables;
+use crate::rope::{TableKey, Tables};
 use crate::{Executor, RuntimeError};
 use cubecl::prelude::*;
 use graphtrain_ir::{HostTensor, ValueId};
@@ -893,14 +893,12 @@ struct CrossEntropyOperands {
     ts: usize,
 }
 
-/// What tells rope tables apart: theta's bits, sequence length, head dim, inverse.
-type RopeKey = (u64, usize, usize, bool);
-
-fn rope_key(step: &Step) -> Option<RopeKey> {
+/// The key of a rope step's angle tables.
+fn rope_key(step: &Step) -> Option<TableKey> {
     match step {
         Step::Rope {
             x, theta, inverse, ..
-        } if x.shape.len() == 4 => Some((theta.to_bits(), x.shape[1], x.shape[3], *inverse)),
+        } if x.shape.len() == 4 => Some(Tables::key(*theta, x.shape[1], x.shape[3], *inverse)),
         _ => None,
     }
 }
@@ -910,7 +908,7 @@ fn rope_key(step: &Step) -> Option<RopeKey> {
 /// reductions of the composite steps share (each step's scratch is dead once it ends, and
 /// steps run in order on one stream).
 struct Tail {
-    rope: HashMap<RopeKey, usize>,
+    rope: HashMap<TableKey, usize>,
     scratch: usize,
     /// Elements in the whole buffer.
     end: usize,
@@ -918,7 +916,7 @@ struct Tail {
 
 impl Tail {
     /// The tail of `program`'s buffer starting at element `start`, and the tables to write.
-    fn plan(program: &Program, start: usize) -> (Tail, Vec<(RopeKey, Tables)>) {
+    fn plan(program: &Program, start: usize) -> (Tail, Vec<(TableKey, Tables)>) {
         let mut at = start;
         let mut rope = HashMap::new();
         let mut tables = Vec::new();

@@ -15,7 +15,15 @@ pub struct Tables {
     pub(crate) sin: Vec<f32>,
 }
 
+/// What tells two steps' tables apart: theta's bits, sequence length, head dim, inverse.
+pub type TableKey = (u64, usize, usize, bool);
+
 impl Tables {
+    /// The key of the tables `new` builds from the same arguments.
+    pub fn key(theta: f64, seq: usize, head_dim: usize, inverse: bool) -> TableKey {
+        (theta.to_bits(), seq, head_dim, inverse)
+    }
+
     pub fn new(theta: f64, seq: usize, head_dim: usize, inverse: bool) -> Tables {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(seq * half);
