@@ -23,6 +23,7 @@ use crate::cpu::{profile_key, profile_report, ProfileEntry};
 use crate::device_composites::{
     adamw_kernel, attention_dq_kernel, attention_kernel, attention_kv_backward_kernel,
     cross_entropy_backward_kernel, cross_entropy_rows_kernel, mean_kernel, rope_kernel,
+    Heads4Launch,
 };
 use crate::device_kernels::{
     check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
@@ -716,10 +717,10 @@ and {n} targets",
                 scale,
             } => {
                 let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
-                let (qo, qs) = self.view4(q, "attention's queries")?;
-                let (ko, ks) = self.view4(k, "attention's keys")?;
-                let (vo, vs) = self.view4(v, "attention's values")?;
-                let (oo, os) = self.out4(out, "attention's output")?;
+                let q4 = self.view4(q, "attention's queries")?;
+                let k4 = self.view4(k, "attention's keys")?;
+                let v4 = self.view4(v, "attention's values")?;
+                let o4 = self.out4(out, "attention's output")?;
                 let total = d.batch * d.heads * d.seq;
                 if total == 0 || d.head_dim == 0 {
                     return Ok(());
@@ -733,25 +734,10 @@ and {n} targets",
                         count,
                         dim,
                         self.buffer(),
-                        qo,
-                        qs[0],
-                        qs[1],
-                        qs[2],
-                        qs[3],
-                        ko,
-                        ks[0],
-                        ks[1],
-                        ks[2],
-                        ks[3],
-                        vo,
-                        vs[0],
-                        vs[1],
-                        vs[2],
-                        vs[3],
-                        oo,
-                        os[0],
-                        os[1],
-                        os[2],
+                        heads4(q4),
+                        heads4(k4),
+                        heads4(v4),
+                        heads4(o4),
                         d.heads,
                         d.heads / d.kv_heads,
                         d.seq,
@@ -774,13 +760,13 @@ and {n} targets",
                 scale,
             } => {
                 let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
-                let (qo, qs) = self.view4(q, "attention's queries")?;
-                let (ko, ks) = self.view4(k, "attention's keys")?;
-                let (vo, vs) = self.view4(v, "attention's values")?;
-                let (go, gs) = self.view4(dout, "attention's output gradient")?;
-                let (dqo, dqs) = self.out4(dq, "the query gradient")?;
-                let (dko, dks) = self.out4(dk, "the key gradient")?;
-                let (dvo, dvs) = self.out4(dv, "the value gradient")?;
+                let q4 = self.view4(q, "attention's queries")?;
+                let k4 = self.view4(k, "attention's keys")?;
+                let v4 = self.view4(v, "attention's values")?;
+                let g4 = self.view4(dout, "attention's output gradient")?;
+                let dq4 = self.out4(dq, "the query gradient")?;
+                let dk4 = self.out4(dk, "the key gradient")?;
+                let dv4 = self.out4(dv, "the value gradient")?;
                 let rows = d.batch * d.heads * d.seq;
                 let key_rows = d.batch * d.kv_heads * d.seq;
                 if rows == 0 || d.head_dim == 0 {
@@ -796,30 +782,11 @@ and {n} targets",
                         count,
                         dim,
                         self.buffer(),
-                        qo,
-                        qs[0],
-                        qs[1],
-                        qs[2],
-                        qs[3],
-                        ko,
-                        ks[0],
-                        ks[1],
-                        ks[2],
-                        ks[3],
-                        vo,
-                        vs[0],
-                        vs[1],
-                        vs[2],
-                        vs[3],
-                        go,
-                        gs[0],
-                        gs[1],
-                        gs[2],
-                        gs[3],
-                        dqo,
-                        dqs[0],
-                        dqs[1],
-                        dqs[2],
+                        heads4(q4),
+                        heads4(k4),
+                        heads4(v4),
+                        heads4(g4),
+                        heads4(dq4),
                         scratch,
                         d.heads,
                         group,
@@ -835,34 +802,12 @@ and {n} targets",
                         count,
                         dim,
                         self.buffer(),
-                        qo,
-                        qs[0],
-                        qs[1],
-                        qs[2],
-                        qs[3],
-                        ko,
-                        ks[0],
-                        ks[1],
-                        ks[2],
-                        ks[3],
-                        vo,
-                        vs[0],
-                        vs[1],
-                        vs[2],
-                        vs[3],
-                        go,
-                        gs[0],
-                        gs[1],
-                        gs[2],
-                        gs[3],
-                        dko,
-                        dks[0],
-                        dks[1],
-                        dks[2],
-                        dvo,
-                        dvs[0],
-                        dvs[1],
-                        dvs[2],
+                        heads4(q4),
+                        heads4(k4),
+                        heads4(v4),
+                        heads4(g4),
+                        heads4(dk4),
+                        heads4(dv4),
                         scratch,
                         d.kv_heads,
                         group,
@@ -878,6 +823,11 @@ and {n} targets",
         }
         Ok(())
     }
+}
+
+/// An attention operand as its kernels take it: offset and four strides.
+fn heads4((at, s): (usize, [usize; 4])) -> Heads4Launch {
+    Heads4Launch::new(at, s[0], s[1], s[2], s[3])
 }
 
 /// How `check_indices` names a gather's or scatter-add's index.

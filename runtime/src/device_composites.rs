@@ -216,6 +216,25 @@ pub fn cross_entropy_backward_kernel(
     }
 }
 
+/// A `[B, H, S, D]` operand of the attention kernels: the element offset of `[0, 0, 0, 0]` in
+/// the arena and one stride per dim (an output's rows are contiguous, `s3 == 1`).
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct Heads4 {
+    pub at: usize,
+    pub s0: usize,
+    pub s1: usize,
+    pub s2: usize,
+    pub s3: usize,
+}
+
+#[cube]
+impl Heads4 {
+    /// Element offset of row `i` of head `h` in batch `b`.
+    fn row(&self, b: usize, h: usize, i: usize) -> usize {
+        self.at + b * self.s0 + h * self.s1 + i * self.s2
+    }
+}
+
 /// The score `(q_i · k_j) · scale` of query row `q` (element stride `qd`) against key row `k`
 /// (element stride `kd`) over `d` elements.
 #[cube]
@@ -268,32 +287,16 @@ fn softmax_stats(
 
 /// Attention forward, `out_i = Σ_j softmax_j((q_i · k_j) · scale) v_j` over the keys `j`
 /// (`j ≤ i` when `causal == 1`), one unit per query row of `[B, H, S, D]` (`total = B·H·S`);
-/// query head `h` reads kv head `h / (H / Hkv)`. Views: offset and four strides each; the
-/// output's rows contiguous. The unnormalized sum is accumulated in the output row, then
-/// divided by the softmax's sum.
+/// query head `h` reads kv head `h / (H / Hkv)`. The output's rows are contiguous. The
+/// unnormalized sum is accumulated in the output row, then divided by the softmax's sum.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_kernel(
     arena: &mut [f32],
-    q: usize,
-    q0: usize,
-    q1: usize,
-    q2: usize,
-    q3: usize,
-    k: usize,
-    k0: usize,
-    k1: usize,
-    k2: usize,
-    k3: usize,
-    v: usize,
-    v0: usize,
-    v1: usize,
-    v2: usize,
-    v3: usize,
-    o: usize,
-    o0: usize,
-    o1: usize,
-    o2: usize,
+    q: Heads4,
+    k: Heads4,
+    v: Heads4,
+    o: Heads4,
     heads: usize,
     group: usize,
     seq: usize,
@@ -310,24 +313,24 @@ pub fn attention_kernel(
         let h = t % heads;
         let b = t / heads;
         let kvh = h / group;
-        let qi = q + b * q0 + h * q1 + i * q2;
-        let kb = k + b * k0 + kvh * k1;
-        let vb = v + b * v0 + kvh * v1;
-        let oi = o + b * o0 + h * o1 + i * o2;
+        let qi = q.row(b, h, i);
+        let kb = k.row(b, kvh, 0);
+        let vb = v.row(b, kvh, 0);
+        let oi = o.row(b, h, i);
         let mut keys = seq;
         if causal == 1 {
             keys = i + 1;
         }
-        let stats_i = softmax_stats(arena, qi, q3, kb, k2, k3, keys, d, scale);
+        let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
         for x in 0..d {
             arena[oi + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx);
+            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx);
             for x in 0..d {
-                arena[oi + x] += p * arena[vb + j * v2 + x * v3];
+                arena[oi + x] += p * arena[vb + j * v.s2 + x * v.s3];
             }
         }
         for x in 0..d {
@@ -345,30 +348,11 @@ pub fn attention_kernel(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_dq_kernel(
     arena: &mut [f32],
-    q: usize,
-    q0: usize,
-    q1: usize,
-    q2: usize,
-    q3: usize,
-    k: usize,
-    k0: usize,
-    k1: usize,
-    k2: usize,
-    k3: usize,
-    v: usize,
-    v0: usize,
-    v1: usize,
-    v2: usize,
-    v3: usize,
-    g: usize,
-    g0: usize,
-    g1: usize,
-    g2: usize,
-    g3: usize,
-    dq: usize,
-    dq0: usize,
-    dq1: usize,
-    dq2: usize,
+    q: Heads4,
+    k: Heads4,
+    v: Heads4,
+    g: Heads4,
+    dq: Heads4,
     stats: usize,
     heads: usize,
     group: usize,
@@ -386,22 +370,22 @@ pub fn attention_dq_kernel(
         let h = t % heads;
         let b = t / heads;
         let kvh = h / group;
-        let qi = q + b * q0 + h * q1 + i * q2;
-        let gi = g + b * g0 + h * g1 + i * g2;
-        let kb = k + b * k0 + kvh * k1;
-        let vb = v + b * v0 + kvh * v1;
-        let di = dq + b * dq0 + h * dq1 + i * dq2;
+        let qi = q.row(b, h, i);
+        let gi = g.row(b, h, i);
+        let kb = k.row(b, kvh, 0);
+        let vb = v.row(b, kvh, 0);
+        let di = dq.row(b, h, i);
         let mut keys = seq;
         if causal == 1 {
             keys = i + 1;
         }
-        let stats_i = softmax_stats(arena, qi, q3, kb, k2, k3, keys, d, scale);
+        let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx) / sum;
-            delta += p * score(arena, gi, g3, vb + j * v2, v3, d, f32::new(1.0));
+            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+            delta += p * score(arena, gi, g.s3, vb + j * v.s2, v.s3, d, f32::new(1.0));
         }
         arena[stats + 3 * e] = mx;
         arena[stats + 3 * e + 1] = sum;
@@ -410,11 +394,11 @@ pub fn attention_dq_kernel(
             arena[di + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q3, kb + j * k2, k3, d, scale) - mx) / sum;
-            let dp = score(arena, gi, g3, vb + j * v2, v3, d, f32::new(1.0));
+            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+            let dp = score(arena, gi, g.s3, vb + j * v.s2, v.s3, d, f32::new(1.0));
             let ds = p * (dp - delta);
             for x in 0..d {
-                arena[di + x] += ds * arena[kb + j * k2 + x * k3];
+                arena[di + x] += ds * arena[kb + j * k.s2 + x * k.s3];
             }
         }
         for x in 0..d {
@@ -432,34 +416,12 @@ pub fn attention_dq_kernel(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_kv_backward_kernel(
     arena: &mut [f32],
-    q: usize,
-    q0: usize,
-    q1: usize,
-    q2: usize,
-    q3: usize,
-    k: usize,
-    k0: usize,
-    k1: usize,
-    k2: usize,
-    k3: usize,
-    v: usize,
-    v0: usize,
-    v1: usize,
-    v2: usize,
-    v3: usize,
-    g: usize,
-    g0: usize,
-    g1: usize,
-    g2: usize,
-    g3: usize,
-    dk: usize,
-    dk0: usize,
-    dk1: usize,
-    dk2: usize,
-    dv: usize,
-    dv0: usize,
-    dv1: usize,
-    dv2: usize,
+    q: Heads4,
+    k: Heads4,
+    v: Heads4,
+    g: Heads4,
+    dk: Heads4,
+    dv: Heads4,
     stats: usize,
     kv_heads: usize,
     group: usize,
@@ -477,10 +439,10 @@ pub fn attention_kv_backward_kernel(
         let t = e / seq;
         let kvh = t % kv_heads;
         let b = t / kv_heads;
-        let kj = k + b * k0 + kvh * k1 + j * k2;
-        let vj = v + b * v0 + kvh * v1 + j * v2;
-        let dkj = dk + b * dk0 + kvh * dk1 + j * dk2;
-        let dvj = dv + b * dv0 + kvh * dv1 + j * dv2;
+        let kj = k.row(b, kvh, j);
+        let vj = v.row(b, kvh, j);
+        let dkj = dk.row(b, kvh, j);
+        let dvj = dv.row(b, kvh, j);
         for x in 0..d {
             arena[dkj + x] = f32::new(0.0);
             arena[dvj + x] = f32::new(0.0);
@@ -492,16 +454,16 @@ pub fn attention_kv_backward_kernel(
         for r in 0..group {
             let h = kvh * group + r;
             for i in first..seq {
-                let qi = q + b * q0 + h * q1 + i * q2;
-                let gi = g + b * g0 + h * g1 + i * g2;
+                let qi = q.row(b, h, i);
+                let gi = g.row(b, h, i);
                 let row = stats + 3 * ((b * heads + h) * seq + i);
-                let p =
-                    f32::exp(score(arena, qi, q3, kj, k3, d, scale) - arena[row]) / arena[row + 1];
-                let dp = score(arena, gi, g3, vj, v3, d, f32::new(1.0));
+                let p = f32::exp(score(arena, qi, q.s3, kj, k.s3, d, scale) - arena[row])
+                    / arena[row + 1];
+                let dp = score(arena, gi, g.s3, vj, v.s3, d, f32::new(1.0));
                 let ds = p * (dp - arena[row + 2]);
                 for x in 0..d {
-                    arena[dvj + x] += p * arena[gi + x * g3];
-                    arena[dkj + x] += ds * arena[qi + x * q3];
+                    arena[dvj + x] += p * arena[gi + x * g.s3];
+                    arena[dkj + x] += ds * arena[qi + x * q.s3];
                 }
             }
         }
