@@ -23,7 +23,7 @@ use crate::cpu::{profile_key, profile_report, ProfileEntry};
 use crate::device_composites::{
     adamw_kernel, attention_dq_kernel, attention_kernel, attention_kv_backward_kernel,
     cross_entropy_backward_kernel, cross_entropy_rows_kernel, mean_kernel, rope_kernel,
-    Heads4Launch,
+    AttentionShapeLaunch, Heads4Launch,
 };
 use crate::device_kernels::{
     check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
@@ -738,12 +738,7 @@ and {n} targets",
                         heads4(k4),
                         heads4(v4),
                         heads4(o4),
-                        d.heads,
-                        d.heads / d.kv_heads,
-                        d.seq,
-                        d.head_dim,
-                        u32::from(d.causal),
-                        d.scale,
+                        attention_shape(&d),
                         total,
                     )
                 };
@@ -772,7 +767,6 @@ and {n} targets",
                 if rows == 0 || d.head_dim == 0 {
                     return Ok(());
                 }
-                let group = d.heads / d.kv_heads;
                 // SAFETY: the views, the outputs and the scratch lie inside the buffer; the
                 // three outputs are distinct and apart from the operands.
                 unsafe {
@@ -788,12 +782,7 @@ and {n} targets",
                         heads4(g4),
                         heads4(dq4),
                         scratch,
-                        d.heads,
-                        group,
-                        d.seq,
-                        d.head_dim,
-                        u32::from(d.causal),
-                        d.scale,
+                        attention_shape(&d),
                         rows,
                     );
                     let (count, dim) = grid(units_for(key_rows));
@@ -809,12 +798,7 @@ and {n} targets",
                         heads4(dk4),
                         heads4(dv4),
                         scratch,
-                        d.kv_heads,
-                        group,
-                        d.seq,
-                        d.head_dim,
-                        u32::from(d.causal),
-                        d.scale,
+                        attention_shape(&d),
                         key_rows,
                     )
                 };
@@ -823,6 +807,18 @@ and {n} targets",
         }
         Ok(())
     }
+}
+
+/// The attention kernels' shape for `d`.
+fn attention_shape(d: &crate::attention::Dims) -> AttentionShapeLaunch {
+    AttentionShapeLaunch::new(
+        d.heads,
+        d.heads / d.kv_heads,
+        d.seq,
+        d.head_dim,
+        u32::from(d.causal),
+        d.scale,
+    )
 }
 
 /// An attention operand as its kernels take it: offset and four strides.

@@ -235,6 +235,48 @@ impl Heads4 {
     }
 }
 
+/// The attention kernels' shape: `heads` query heads in groups of `group` per kv head, `seq`
+/// rows of `d` elements each; `causal == 1` masks keys after the query row.
+#[derive(CubeType, CubeLaunch, Clone, Copy)]
+pub struct AttentionShape {
+    pub heads: usize,
+    pub group: usize,
+    pub seq: usize,
+    pub d: usize,
+    pub causal: u32,
+    pub scale: f32,
+}
+
+/// Query row `e` of `[B, H, S, D]`: its batch, head, row, kv head, and how many keys it sees.
+#[derive(CubeType, Clone, Copy)]
+struct QueryRow {
+    b: usize,
+    h: usize,
+    i: usize,
+    kvh: usize,
+    keys: usize,
+}
+
+#[cube]
+impl AttentionShape {
+    fn query_row(&self, e: usize) -> QueryRow {
+        let i = e % self.seq;
+        let t = e / self.seq;
+        let h = t % self.heads;
+        let mut keys = self.seq;
+        if self.causal == 1 {
+            keys = i + 1;
+        }
+        QueryRow {
+            b: t / self.heads,
+            h,
+            i,
+            kvh: h / self.group,
+            keys,
+        }
+    }
+}
+
 /// The score `(q_i · k_j) · scale` of query row `q` (element stride `qd`) against key row `k`
 /// (element stride `kd`) over `d` elements.
 #[cube]
@@ -290,37 +332,26 @@ fn softmax_stats(
 /// query head `h` reads kv head `h / (H / Hkv)`. The output's rows are contiguous. The
 /// unnormalized sum is accumulated in the output row, then divided by the softmax's sum.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
 pub fn attention_kernel(
     arena: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
     o: Heads4,
-    heads: usize,
-    group: usize,
-    seq: usize,
-    d: usize,
-    causal: u32,
-    scale: f32,
+    shape: AttentionShape,
     total: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < total {
-        let i = e % seq;
-        let t = e / seq;
-        let h = t % heads;
-        let b = t / heads;
-        let kvh = h / group;
-        let qi = q.row(b, h, i);
-        let kb = k.row(b, kvh, 0);
-        let vb = v.row(b, kvh, 0);
-        let oi = o.row(b, h, i);
-        let mut keys = seq;
-        if causal == 1 {
-            keys = i + 1;
-        }
+        let r = shape.query_row(e);
+        let d = shape.d;
+        let scale = shape.scale;
+        let keys = r.keys;
+        let qi = q.row(r.b, r.h, r.i);
+        let kb = k.row(r.b, r.kvh, 0);
+        let vb = v.row(r.b, r.kvh, 0);
+        let oi = o.row(r.b, r.h, r.i);
         let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
@@ -354,31 +385,21 @@ pub fn attention_dq_kernel(
     g: Heads4,
     dq: Heads4,
     stats: usize,
-    heads: usize,
-    group: usize,
-    seq: usize,
-    d: usize,
-    causal: u32,
-    scale: f32,
+    shape: AttentionShape,
     total: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < total {
-        let i = e % seq;
-        let t = e / seq;
-        let h = t % heads;
-        let b = t / heads;
-        let kvh = h / group;
-        let qi = q.row(b, h, i);
-        let gi = g.row(b, h, i);
-        let kb = k.row(b, kvh, 0);
-        let vb = v.row(b, kvh, 0);
-        let di = dq.row(b, h, i);
-        let mut keys = seq;
-        if causal == 1 {
-            keys = i + 1;
-        }
+        let r = shape.query_row(e);
+        let d = shape.d;
+        let scale = shape.scale;
+        let keys = r.keys;
+        let qi = q.row(r.b, r.h, r.i);
+        let gi = g.row(r.b, r.h, r.i);
+        let kb = k.row(r.b, r.kvh, 0);
+        let vb = v.row(r.b, r.kvh, 0);
+        let di = dq.row(r.b, r.h, r.i);
         let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
@@ -423,16 +444,16 @@ pub fn attention_kv_backward_kernel(
     dk: Heads4,
     dv: Heads4,
     stats: usize,
-    kv_heads: usize,
-    group: usize,
-    seq: usize,
-    d: usize,
-    causal: u32,
-    scale: f32,
+    shape: AttentionShape,
     total: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
-    let heads = kv_heads * group;
+    let heads = shape.heads;
+    let group = shape.group;
+    let seq = shape.seq;
+    let d = shape.d;
+    let scale = shape.scale;
+    let kv_heads = heads / group;
     let mut e = ABSOLUTE_POS;
     while e < total {
         let j = e % seq;
@@ -448,7 +469,7 @@ pub fn attention_kv_backward_kernel(
             arena[dvj + x] = f32::new(0.0);
         }
         let mut first = 0;
-        if causal == 1 {
+        if shape.causal == 1 {
             first = j;
         }
         for r in 0..group {
