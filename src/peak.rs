@@ -28,7 +28,8 @@ pub struct CpuFacts {
     pub ghz: Option<f64>,
     /// Where `ghz` came from, for the source sentence.
     pub clock_source: &'static str,
-    /// The clock a chain of dependent adds ran at on this thread (`measured_ghz`).
+    /// The clock chains of dependent adds and multiplies agreed on, on this thread
+    /// (`measured_ghz`); `None` where they disagree.
     pub measured_ghz: Option<f64>,
     /// `/proc/cpuinfo`'s vendor id (`GenuineIntel`, `AuthenticAMD`, ...).
     pub vendor: String,
@@ -77,44 +78,100 @@ pub fn cpu_peak(facts: &CpuFacts) -> Option<Peak> {
     })
 }
 
-/// The clock this thread's core runs at, in GHz: a chain of dependent integer adds (one cycle
-/// each on every x86-64 core) timed by the wall clock, the fastest of five tries of 10 million
-/// cycles (3-5 ms each; time the VM's host takes away only makes a try slower). It is the
-/// scalar clock: a core that slows down for wide vectors (some Xeons under AVX-512) computes
-/// vectors below it, so the peak errs high and MFU low there.
+/// The highest clock any x86-64 core has shipped at is about 6.2 GHz: a measurement above this
+/// is a fault of the measurement, never the cpu.
+const CLOCK_CEILING_GHZ: f64 = 6.5;
+
+/// The clock this thread's core runs at, in GHz, or `None` when the measurement is not
+/// plausible. Two chains of dependent instructions are timed by the wall clock, each the fastest
+/// of five tries (time the VM's host takes away only makes a try slower): register-to-register
+/// adds (one cycle each) and multiplies (three cycles each on every x86-64 core since 2011).
+/// They must agree: a core that runs one of them faster than its latency (Golden Cove and its
+/// successors fold `add reg, imm` at rename, which made an immediate-add chain read 20 GHz on a
+/// 2.3-2.6 GHz Xeon) gives two clocks that differ. It is the scalar clock: a core that slows down
+/// for wide vectors (some Xeons under AVX-512) computes vectors below it, so the peak errs high
+/// and MFU low there.
 #[cfg(target_arch = "x86_64")]
 pub fn measured_ghz() -> Option<f64> {
+    agreeing_clock(chain_ghz(Chain::Add), chain_ghz(Chain::Multiply))
+}
+
+/// The clock two independent measurements give, when they agree within 10% and stay below
+/// `CLOCK_CEILING_GHZ`: the higher of the two, since lost time only ever slows a try down.
+pub fn agreeing_clock(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    let (a, b) = (a?, b?);
+    let (low, high) = (a.min(b), a.max(b));
+    (low > 0.0 && high < CLOCK_CEILING_GHZ && high <= low * 1.1).then_some(high)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Chain {
+    Add,
+    Multiply,
+}
+
+/// One chain's clock: 8 dependent instructions per loop iteration, 1.25 million iterations
+/// (10 million cycles of adds, 30 million of multiplies: 3-15 ms a try).
+#[cfg(target_arch = "x86_64")]
+fn chain_ghz(chain: Chain) -> Option<f64> {
     const ITERATIONS: u64 = 1_250_000;
-    const ADDS: u64 = 8 * ITERATIONS;
+    let cycles_per_instruction = match chain {
+        Chain::Add => 1.0,
+        Chain::Multiply => 3.0,
+    };
+    let cycles = 8.0 * ITERATIONS as f64 * cycles_per_instruction;
     let fastest = (0..5)
         .map(|_| {
             let start = std::time::Instant::now();
-            let mut x: u64 = 0;
+            let mut x: u64 = 1;
             let mut n: u64 = ITERATIONS;
+            // An operand the compiler cannot see, so neither chain has an immediate to fold.
+            let y: u64 = std::hint::black_box(3);
             // SAFETY: register arithmetic only: no memory, no stack.
             unsafe {
-                std::arch::asm!(
-                    "2:",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "add {x}, 1",
-                    "dec {n}",
-                    "jnz 2b",
-                    x = inout(reg) x,
-                    n = inout(reg) n,
-                    options(nomem, nostack),
-                )
+                match chain {
+                    Chain::Add => std::arch::asm!(
+                        "2:",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "add {x}, {y}",
+                        "dec {n}",
+                        "jnz 2b",
+                        x = inout(reg) x,
+                        n = inout(reg) n,
+                        y = in(reg) y,
+                        options(nomem, nostack),
+                    ),
+                    Chain::Multiply => std::arch::asm!(
+                        "2:",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "imul {x}, {y}",
+                        "dec {n}",
+                        "jnz 2b",
+                        x = inout(reg) x,
+                        n = inout(reg) n,
+                        y = in(reg) y,
+                        options(nomem, nostack),
+                    ),
+                }
             };
             std::hint::black_box((x, n));
             start.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min);
-    (fastest > 0.0 && fastest.is_finite()).then(|| ADDS as f64 / fastest / 1e9)
+    (fastest > 0.0 && fastest.is_finite()).then(|| cycles / fastest / 1e9)
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -168,7 +225,7 @@ pub fn cpu_facts() -> CpuFacts {
         None
     };
     CpuFacts {
-        threads: graphtrain_runtime::pool::Pool::global().width(),
+        threads: graphtrain_runtime::cpu::pool::Pool::global().width(),
         ghz,
         clock_source,
         measured_ghz: measured_ghz(),
@@ -252,6 +309,18 @@ pipes x 8 lanes x 2)"
         epyc.ghz = None;
         epyc.measured_ghz = Some(2.9);
         assert_eq!(cpu_peak(&epyc), None);
+    }
+
+    #[test]
+    fn an_implausible_clock_measurement_is_refused() {
+        // The Xeon whose immediate-add chain read 20.17 GHz while multiplies read the truth.
+        assert_eq!(agreeing_clock(Some(20.17), Some(3.4)), None);
+        // Both fooled alike, beyond any x86 clock: refused all the same.
+        assert_eq!(agreeing_clock(Some(9.0), Some(9.1)), None);
+        assert_eq!(agreeing_clock(None, Some(3.4)), None);
+        // Agreeing within 10%: the higher, as lost time only slows a try down.
+        assert_eq!(agreeing_clock(Some(3.36), Some(3.43)), Some(3.43));
+        assert_eq!(agreeing_clock(Some(2.9), Some(2.0)), None);
     }
 
     #[cfg(target_arch = "x86_64")]
