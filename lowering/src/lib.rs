@@ -1,12 +1,24 @@
 //! graphtrain's lowering: from an optimized graph to a `Program` a backend runs — the kernel
-//! launches in order (`program`) over one planned arena (`buffer_plan`). Backend-neutral: the
-//! kernels themselves live in `graphtrain-runtime`.
+//! launches in order over one planned arena (`buffer_plan`). Backend-neutral: the kernels
+//! themselves live in `graphtrain-runtime`.
+//!
+//! `program` is the data model; `lower` drives the lowering through constant folding (`fold`),
+//! eager (`eager`) or fused (`fusion`) step emission over the view algebra (`views`); `text`
+//! prints a Program for snapshots and dumps.
 
 pub mod buffer_plan;
+mod eager;
+mod fold;
+mod fusion;
+mod lower;
 pub mod program;
+mod text;
+mod views;
 
 pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
+pub use fusion::FusionLimits;
+pub use lower::{lower, lower_with, lower_with_limits};
 pub use program::{
-    kept_composite, lower, lower_with, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode,
-    Program, ReduceKind, ReduceOver, Step, View,
+    kept_composite, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode, Program, ReduceKind,
+    ReduceOver, Step, View,
 };

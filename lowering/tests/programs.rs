@@ -1,0 +1,298 @@
+//! Programs as data: small graphs in the text format go in, the Program's text form comes out,
+//! eager and fused side by side, compared against the snapshots in `tests/snapshots/`. The
+//! numerics of these lowerings are checked on the backends (tests/backends.rs, the bitwise gate);
+//! here it is their shape: which steps, what they read and write, what got fused.
+
+use graphtrain_ir::text::parse;
+use graphtrain_lowering::{kept_composite, lower, lower_with_limits, FusionLimits, Mode};
+
+/// The Program of `src` in both modes, as one text.
+fn both(src: &str) -> String {
+    let g = parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let eager = lower(&g, Mode::Eager).unwrap();
+    let fused = lower(&g, Mode::Fused).unwrap();
+    format!("{eager}\n{fused}")
+}
+
+/// The fused Program of `src` under `limits`.
+fn fused_with(src: &str, limits: &FusionLimits) -> String {
+    let g = parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    lower_with_limits(&g, Mode::Fused, &kept_composite, limits)
+        .unwrap()
+        .to_string()
+}
+
+const CHAIN: &str = "graph chain {
+  input %x: f32[4,8]
+  input %y: f32[4,8]
+  %2: f32[4,8] = exp(%x)  # fwd region=0
+  %3: f32[4,8] = mul(%2, %y)  # fwd region=0
+  %4: f32[4,8] = add_scalar(%3, value=1.0)  # fwd region=0
+  %5: f32[4,8] = sqrt(%4)  # fwd region=0
+  output o = %5
+}";
+
+// An elementwise chain is one map per node in eager and one map in fused, in its capture region.
+#[test]
+fn elementwise_chain_fuses_into_one_map() {
+    insta::assert_snapshot!(both(CHAIN));
+}
+
+// A sum over rows of 16 (a multiple of 8, as are the 8 rows) takes its squaring producer in.
+#[test]
+fn reduction_takes_its_elementwise_producer() {
+    insta::assert_snapshot!(both(
+        "graph rms {
+  input %x: f32[8,16]
+  %1: f32[8,16] = square(%x)
+  %2: f32[8] = reduce_sum(%1, axes=[1], keepdim=false)
+  output o = %2
+}"
+    ));
+}
+
+// Rows of 12 are not a multiple of 8: the map and the reduction stay apart in fused mode too.
+#[test]
+fn reduction_over_unaligned_rows_is_not_fused() {
+    insta::assert_snapshot!(both(
+        "graph rms {
+  input %x: f32[8,12]
+  %1: f32[8,12] = square(%x)
+  %2: f32[8] = reduce_sum(%1, axes=[1], keepdim=false)
+  output o = %2
+}"
+    ));
+}
+
+// A transposed weight is read by the GEMM through strides instead of copied first.
+#[test]
+fn matmul_reads_a_transpose_as_strides() {
+    insta::assert_snapshot!(both(
+        "graph linear {
+  input %x: f32[2,4,8]
+  input %w: f32[6,8]
+  %2: f32[8,6] = transpose(%w, perm=[1,0])
+  %3: f32[2,4,6] = matmul(%x, %2)
+  output o = %3
+}"
+    ));
+}
+
+// A matmul read only through a transpose of its last two dims writes the transpose (b^T a^T).
+#[test]
+fn matmul_writes_its_transposed_reader() {
+    insta::assert_snapshot!(both(
+        "graph grad {
+  input %x: f32[16,8]
+  input %dy: f32[16,6]
+  %2: f32[8,16] = transpose(%x, perm=[1,0])
+  %3: f32[8,6] = matmul(%2, %dy)
+  %4: f32[6,8] = transpose(%3, perm=[1,0])
+  output o = %4
+}"
+    ));
+}
+
+// Reshaped and expanded values become broadcast reads (a row, a column, a scalar) of one map.
+#[test]
+fn reshape_and_expand_become_broadcast_reads() {
+    insta::assert_snapshot!(both(
+        "graph bias {
+  input %x: f32[16,8]
+  input %b: f32[8]
+  input %s: f32[16]
+  input %k: f32[]
+  %4: f32[1,8] = reshape(%b, shape=[1,8])
+  %5: f32[16,8] = expand(%4, shape=[16,8])
+  %6: f32[16,1] = reshape(%s, shape=[16,1])
+  %7: f32[16,8] = expand(%6, shape=[16,8])
+  %8: f32[1,1] = reshape(%k, shape=[1,1])
+  %9: f32[16,8] = expand(%8, shape=[16,8])
+  %10: f32[16,8] = add(%x, %5)
+  %11: f32[16,8] = mul(%10, %7)
+  %12: f32[16,8] = sub(%11, %9)
+  output o = %12
+}"
+    ));
+}
+
+// A reshape that a matmul reads is a view of its source; a slice feeding a copy is an offset.
+#[test]
+fn reshape_and_slice_are_views() {
+    insta::assert_snapshot!(both(
+        "graph views {
+  input %x: f32[2,4,8]
+  input %w: f32[8,6]
+  %2: f32[8,8] = reshape(%x, shape=[8,8])
+  %3: f32[8,6] = matmul(%2, %w)
+  %4: f32[2,2,8] = slice(%x, axis=1, start=1, end=3)
+  %5: f32[2,8,2] = transpose(%4, perm=[0,2,1])
+  output o = %3
+  output s = %5
+}"
+    ));
+}
+
+// Cross-entropy and its backward are kept composites: one step each, in both modes.
+#[test]
+fn cross_entropy_is_one_step() {
+    insta::assert_snapshot!(both(
+        "graph loss {
+  input %logits: f32[8,16]
+  input %t: i32[8]
+  %2: f32[] = cross_entropy(%logits, %t)
+  %3: f32[] = full(value=1.0, shape=[], dtype=f32)
+  %4: f32[8,16] = cross_entropy_backward(%logits, %t, %3)
+  output loss = %2
+  output grad = %4
+}"
+    ));
+}
+
+// Rope is a kept composite: one step reading its input in place.
+#[test]
+fn rope_is_one_step() {
+    insta::assert_snapshot!(both(
+        "graph rope {
+  input %x: f32[1,4,2,8]
+  %1: f32[1,4,2,8] = rope(%x, theta=10000.0, layout=interleaved, inverse=false)
+  %2: f32[1,4,2,8] = mul_scalar(%1, value=0.5)
+  output o = %2
+}"
+    ));
+}
+
+// Two in-place AdamW updates with the same scalars are two steps in eager, one in fused.
+#[test]
+fn in_place_adamw_updates_merge_in_fused_mode() {
+    insta::assert_snapshot!(both(
+        "graph opt {
+  input %lr: f32[]
+  input %t: f32[]
+  param %p0: f32[8]
+  input %g0: f32[8]
+  state %m0: f32[8]
+  state %v0: f32[8]
+  param %p1: f32[16]
+  input %g1: f32[16]
+  state %m1: f32[16]
+  state %v1: f32[16]
+  %10: f32[8], %11: f32[8], %12: f32[8] = adamw(%p0, %g0, %m0, %v0, %lr, %t, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+  %13: f32[16], %14: f32[16], %15: f32[16] = adamw(%p1, %g1, %m1, %v1, %lr, %t, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+  output p0 = %10 donates %p0
+  output m0 = %11 donates %m0
+  output v0 = %12 donates %v0
+  output p1 = %13 donates %p1
+  output m1 = %14 donates %m1
+  output v1 = %15 donates %v1
+}"
+    ));
+}
+
+// An iota/compare causal mask is folded into a constant; its -inf fill stays in the kernel.
+#[test]
+fn input_independent_mask_is_folded() {
+    insta::assert_snapshot!(both(
+        "graph mask {
+  input %x: f32[8,8]
+  %1: i32[8,8] = iota(shape=[8,8], axis=0, dtype=i32)
+  %2: i32[8,8] = iota(shape=[8,8], axis=1, dtype=i32)
+  %3: bool[8,8] = gt(%2, %1)
+  %4: f32[8,8] = full(value=-inf, shape=[8,8], dtype=f32)
+  %5: f32[8,8] = select(%3, %4, %x)
+  output o = %5
+}"
+    ));
+}
+
+const FOUR_INPUTS: &str = "graph four {
+  input %a: f32[32]
+  input %b: f32[32]
+  input %c: f32[32]
+  input %d: f32[32]
+  %4: f32[32] = mul(%a, %b)
+  %5: f32[32] = mul(%c, %d)
+  %6: f32[32] = add(%4, %5)
+  output o = %6
+}";
+
+// With at most 3 inputs per kernel, a 4-input fused map splits: its producers are materialized.
+#[test]
+fn a_smaller_input_limit_splits_the_kernel() {
+    let default = fused_with(FOUR_INPUTS, &FusionLimits::default());
+    let three = FusionLimits {
+        max_map_inputs: 3,
+        ..FusionLimits::default()
+    };
+    insta::assert_snapshot!(format!("{default}\n{}", fused_with(FOUR_INPUTS, &three)));
+}
+
+// With at most 4 nodes per inlined expression, the chain is cut after the op that outgrows them.
+#[test]
+fn a_smaller_expression_limit_splits_the_chain() {
+    let small = FusionLimits {
+        max_expr_nodes: 4,
+        ..FusionLimits::default()
+    };
+    insta::assert_snapshot!(fused_with(CHAIN, &small));
+}
+
+// Limits the runtime's map kernel cannot honour, or zero, are refused with the reason.
+#[test]
+fn out_of_range_limits_are_refused() {
+    let g = parse(CHAIN).unwrap();
+    let refuse = |limits: FusionLimits| {
+        lower_with_limits(&g, Mode::Fused, &kept_composite, &limits)
+            .unwrap_err()
+            .to_string()
+    };
+    let d = FusionLimits::default();
+    let too_many = refuse(FusionLimits {
+        max_map_inputs: 7,
+        ..d
+    });
+    assert!(
+        too_many.contains("max_map_inputs = 7 exceeds 6"),
+        "{too_many}"
+    );
+    let zero = refuse(FusionLimits {
+        max_map_inputs: 0,
+        ..d
+    });
+    assert!(zero.contains("max_map_inputs = 0 is below 3"), "{zero}");
+    let zero = refuse(FusionLimits {
+        max_expr_nodes: 0,
+        ..d
+    });
+    assert!(zero.contains("max_expr_nodes = 0"), "{zero}");
+    let zero = refuse(FusionLimits {
+        converge_hops: 0,
+        ..d
+    });
+    assert!(zero.contains("converge_hops = 0"), "{zero}");
+    assert_eq!(d.validate(), Ok(()));
+}
+
+// Folding, a broadcast read and fusion together: a masked, weighted sum of squares is one kernel.
+#[test]
+fn masked_weighted_sum_of_squares_is_one_kernel() {
+    insta::assert_snapshot!(both(
+        "graph g {
+  input %x: f32[8,16]
+  input %w: f32[16]
+  %2: i32[8,16] = iota(shape=[8,16], axis=0, dtype=i32)
+  %3: i32[8,16] = iota(shape=[8,16], axis=1, dtype=i32)
+  %4: bool[8,16] = gt(%3, %2)
+  %5: f32[8,16] = full(value=0.0, shape=[8,16], dtype=f32)
+  %6: f32[1,16] = reshape(%w, shape=[1,16])
+  %7: f32[8,16] = expand(%6, shape=[8,16])
+  %8: f32[8,16] = mul(%x, %7)  # fwd region=1
+  %9: f32[8,16] = select(%4, %5, %8)  # fwd region=1
+  %10: f32[8,16] = square(%9)  # fwd region=1
+  %11: f32[8] = reduce_sum(%10, axes=[1], keepdim=false)  # fwd region=1
+  output o = %11
+}"
+    ));
+}
