@@ -6,6 +6,7 @@ pub mod autodiff;
 pub mod decompose;
 pub mod dtype;
 pub mod graph;
+pub mod host_tensor;
 pub mod infer;
 pub mod interp;
 pub mod op;
@@ -21,7 +22,8 @@ pub use dtype::{DType, TensorType};
 pub use graph::{
     Graph, Input, InputKind, Meta, Node, Output, Phase, Remat, Tags, TypeError, ValueId,
 };
-pub use interp::{HostTensor, InterpError, RunOutput};
+pub use host_tensor::HostTensor;
+pub use interp::{InterpError, RunOutput};
 pub use op::{Attr, BinaryOp, CompareOp, Op, RopeLayout, UnaryOp};
 pub use trace::{Init, ParamSpec, Scope, Tensor, Traced, Tracer};
 pub use verify::{verify, VerifyError};
