@@ -4,7 +4,7 @@
 use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
 use crate::data::DataMode;
-use crate::trainer::{build_step, TrainConfig, Trainer};
+use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
@@ -14,7 +14,7 @@ use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
     testing, PassRecord, Pipeline, PipelineSpec, Registry, Tier, DEFAULT_PIPELINE,
 };
-use graphtrain_runtime::Backend;
+use graphtrain_runtime::{compile, Backend, CompileOptions, GemmKernel, Profile, RuntimeOptions};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -308,6 +308,33 @@ impl LoweringMode {
     }
 }
 
+/// The runtime settings the environment gives: `GRAPHTRAIN_PROFILE` (`1`: time every step by
+/// kind; `steps`: each step on its own line), `GRAPHTRAIN_GEMM_KERNEL` (`avx2` or `scalar`: a
+/// narrower GEMM kernel, for benchmarking it) and `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
+/// run may allocate, instead of what the OS reports available). The CLI is the only place that
+/// reads them; the library is given them.
+fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
+    let var = |name: &str| std::env::var(name).ok();
+    let memory_limit_bytes = match var("GRAPHTRAIN_MEMORY_LIMIT_MIB") {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<usize>()
+                .ok()
+                .and_then(|mib| mib.checked_mul(1 << 20))
+                .ok_or_else(|| {
+                    format!("GRAPHTRAIN_MEMORY_LIMIT_MIB=`{v}` is not a whole number of MiB")
+                })?,
+        ),
+    };
+    Ok(RuntimeOptions {
+        profile: var("GRAPHTRAIN_PROFILE").map_or(Profile::Off, |v| Profile::from_setting(&v)),
+        gemm_kernel: var("GRAPHTRAIN_GEMM_KERNEL")
+            .map_or(GemmKernel::Widest, |v| GemmKernel::from_setting(&v)),
+        memory_limit_bytes,
+    })
+}
+
 impl TrainArgs {
     /// Validates the flags, builds the step through the pipeline and initializes the trainer.
     fn session(&self, registry: &Registry) -> Result<Session, String> {
@@ -325,7 +352,7 @@ impl TrainArgs {
         if let Some(why) = backend.unavailable() {
             return Err(why);
         }
-        let mut trainer = Trainer::new(
+        let trainer = Trainer::build(
             &cfg,
             TrainConfig {
                 data: self.data,
@@ -333,15 +360,17 @@ impl TrainArgs {
                 lr: self.lr,
                 optim,
             },
-            &pipeline,
+            backend,
+            &CompileOptions {
+                pipeline: &pipeline,
+                mode: self.lowering.mode(),
+                fusion: Default::default(),
+                runtime: runtime_options_from_env()?,
+            },
         )
         .map_err(|e| e.to_string())?;
-        let rss_before_load = crate::bench::current_rss_bytes();
-        let t = Instant::now();
-        trainer
-            .use_backend(backend, self.lowering.mode())
-            .map_err(|e| e.to_string())?;
-        let load_time = t.elapsed();
+        let rss_before_load = trainer.rss_before_load;
+        let load_time = trainer.timings.lower + trainer.timings.load;
         Ok(Session {
             rss_before_load,
             cfg,
@@ -511,11 +540,20 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     let optim = a.optim.config()?;
     let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
-    let built = build_step(&cfg, DType::F32, &optim, &pipeline).map_err(|e| e.to_string())?;
+    let traced = build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?;
+    let compiled = compile(
+        &traced.step.graph,
+        Backend::Reference,
+        &CompileOptions::new(&pipeline, Mode::Fused),
+    )
+    .map_err(|e| e.to_string())?;
     let total = t0.elapsed();
-    let times = &built.timings;
-    print_pass_records(&built.passes);
-    let g = &built.step.graph;
+    let times = BuildTimings {
+        passes: compiled.timings.passes,
+        ..traced.timings
+    };
+    print_pass_records(&compiled.passes);
+    let g = &compiled.graph;
     let s = GraphStats::of(g);
     let tokens = (cfg.batch * cfg.seq_len) as f64;
     say!(

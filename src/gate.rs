@@ -5,7 +5,8 @@
 //!
 //! `check_pipeline` runs both on the reference interpreter; `check_pipeline_on` runs the
 //! unoptimized step lowered eagerly (one kernel per op) against the optimized step lowered with
-//! fusion, on one compiled backend — the gate the lowering work and the passes share.
+//! fusion, on one compiled backend — the gate the lowering work and the passes share. Both
+//! steps are compiled by the one driver (`graphtrain_runtime::compile`, through the trainer).
 
 use crate::data::DataMode;
 use crate::trainer::{TrainConfig, Trainer};
@@ -15,7 +16,7 @@ use graphtrain_ir::InputKind;
 use graphtrain_lowering::Mode;
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{Pipeline, Tier};
-use graphtrain_runtime::Backend;
+use graphtrain_runtime::{Backend, CompileOptions};
 
 /// Relative tolerance of the tier-2 gate (f32 training).
 pub const TIER2_TOLERANCE: f64 = 1e-4;
@@ -61,13 +62,21 @@ pub fn check_pipeline_on(
         optim: OptimConfig::default(),
     };
     let tier = pipeline.tier();
-    let mut base =
-        Trainer::new(model, cfg.clone(), &Pipeline::new(Vec::new())).map_err(|e| e.to_string())?;
-    let mut opt = Trainer::new(model, cfg, pipeline).map_err(|e| e.to_string())?;
-    base.use_backend(backend, Mode::Eager)
-        .map_err(|e| e.to_string())?;
-    opt.use_backend(backend, Mode::Fused)
-        .map_err(|e| e.to_string())?;
+    let no_passes = Pipeline::new(Vec::new());
+    let mut base = Trainer::build(
+        model,
+        cfg.clone(),
+        backend,
+        &CompileOptions::new(&no_passes, Mode::Eager),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut opt = Trainer::build(
+        model,
+        cfg,
+        backend,
+        &CompileOptions::new(pipeline, Mode::Fused),
+    )
+    .map_err(|e| e.to_string())?;
     for _ in 0..steps {
         let a = base.step().map_err(|e| format!("unoptimized: {e}"))?;
         let b = opt.step().map_err(|e| format!("optimized: {e}"))?;
@@ -138,9 +147,9 @@ pub fn train_on_backends(
             lr: 1e-3,
             optim: OptimConfig::default(),
         };
-        let mut t =
-            Trainer::new(&model, cfg, &Pipeline::new(Vec::new())).map_err(|e| e.to_string())?;
-        t.use_backend(backend, mode).map_err(|e| e.to_string())?;
+        let no_passes = Pipeline::new(Vec::new());
+        let mut t = Trainer::build(&model, cfg, backend, &CompileOptions::new(&no_passes, mode))
+            .map_err(|e| e.to_string())?;
         let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
         for _ in 0..steps {
             let m = t.step().map_err(|e| format!("{backend}: {e}"))?;

@@ -1,16 +1,19 @@
-//! The training loop: builds the train-step graph once, initializes parameters and optimizer
-//! state, then per step feeds a batch, the learning rate and the step count, runs the graph and
-//! writes every donated output back into the input it replaces.
+//! The training loop: builds the train-step graph once, compiles it for a backend through the
+//! one driver (`graphtrain_runtime::compile`), initializes parameters and optimizer state, then
+//! per step feeds a batch, the learning rate and the step count and runs the step. Parameters
+//! and optimizer state stay in the executor between steps (donated outputs replace their
+//! inputs there); the trainer reads them back only for checkpoints and inspection.
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{batch, DataMode};
-use graphtrain_ir::interp::{self, HostTensor};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
-use graphtrain_ir::{rng, verify, DType, Graph, Init, InputKind, TensorType, ValueId};
-use graphtrain_lowering::{Mode, Program};
+use graphtrain_ir::{rng, verify, DType, Graph, HostTensor, Init, InputKind, TensorType, ValueId};
+use graphtrain_lowering::{FusionLimits, Mode, Program};
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{PassRecord, Pipeline};
-use graphtrain_runtime::{Backend, Executor};
+use graphtrain_runtime::{
+    compile, Backend, CompileOptions, Compiled, Executor, Fingerprint, RuntimeOptions, SingleRank,
+};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -47,22 +50,24 @@ pub struct BuildTimings {
     pub autodiff_and_optimizer: Duration,
     pub verify: Duration,
     pub passes: Duration,
+    /// Legalization and lowering to a Program (zero on the interpreter).
+    pub lower: Duration,
+    /// Loading the Program on its backend: arena, constants, parameters and state written.
+    pub load: Duration,
 }
 
-/// A built train step: the graph after the pass pipeline, and what it took to get there.
-pub struct Built {
+/// A traced train step (forward, loss, backward, optimizer), verified, before any pass.
+pub struct Traced {
     pub step: TrainStep,
     pub timings: BuildTimings,
-    pub passes: Vec<PassRecord>,
 }
 
-/// Traces `model` in `dtype`, appends backward and optimizer, verifies, then runs `pipeline`.
+/// Traces `model` in `dtype`, appends backward and optimizer, and verifies the result.
 pub fn build_step(
     model: &Llama3Config,
     dtype: DType,
     optim: &OptimConfig,
-    pipeline: &Pipeline,
-) -> Result<Built, TrainError> {
+) -> Result<Traced, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
@@ -76,41 +81,19 @@ pub fn build_step(
     verify(&step.graph)
         .map_err(|e| err(format!("the train-step graph fails verification: {e}")))?;
     let t3 = Instant::now();
-    let (graph, passes) = pipeline.run(&step.graph).map_err(err)?;
-    let t4 = Instant::now();
-    Ok(Built {
-        step: TrainStep {
-            graph,
-            params: step.params,
-        },
+    Ok(Traced {
+        step,
         timings: BuildTimings {
             trace: t1 - t0,
             autodiff_and_optimizer: t2 - t1,
             verify: t3 - t2,
-            passes: t4 - t3,
+            ..BuildTimings::default()
         },
-        passes,
     })
 }
 
-/// The graph with composites decomposed, then `cse` and `dce` over the primitives: the optimizer's
-/// per-parameter scalar chains (bias corrections, lr products) are identical across parameters
-/// and collapse to one each, which saves hundreds of tiny launches per step. Tier 1, so the
-/// result is bitwise the same as running the graph as it was.
-fn legalize(g: &Graph, backend: Backend) -> Result<Graph, TrainError> {
-    let primitives = graphtrain_ir::decompose::decompose(g, &|op| {
-        op.is_composite() && !backend.keeps_composite(op)
-    })
-    .map_err(|e| err(format!("decomposing composites failed: {e}")))?;
-    let pipeline = graphtrain_passes::PipelineSpec::parse_list("cse,dce")
-        .and_then(|spec| spec.build(&graphtrain_passes::Registry::builtin()))
-        .map_err(err)?;
-    let (out, _) = pipeline.run(&primitives).map_err(err)?;
-    Ok(out)
-}
-
-/// Writes every graph input from `slots`. The program's graph is the legalized one: the same
-/// inputs in the same order as the trainer's graph, but with its own value ids.
+/// Writes every graph input from `slots`. The executor's graph has the trainer's inputs in the
+/// same order, but its own value ids (a compiled backend runs the legalized graph).
 fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), TrainError> {
     for (v, slot) in program_inputs(exec).into_iter().zip(slots) {
         exec.write(v, slot).map_err(err)?;
@@ -118,14 +101,16 @@ fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), Tra
     Ok(())
 }
 
-/// The program's input values, in the trainer's input order.
+/// The executor's input values, in the trainer's input order.
 fn program_inputs(exec: &dyn Executor) -> Vec<ValueId> {
-    exec.program()
-        .graph
-        .inputs
-        .iter()
-        .map(|i| i.value)
-        .collect()
+    exec.graph().inputs.iter().map(|i| i.value).collect()
+}
+
+/// Loads `compiled` on one rank and writes every input from `slots`.
+fn load(compiled: Compiled, slots: &[HostTensor]) -> Result<Box<dyn Executor>, TrainError> {
+    let mut exec = compiled.load(Box::new(SingleRank)).map_err(err)?;
+    write_inputs(exec.as_mut(), slots)?;
+    Ok(exec)
 }
 
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
@@ -164,47 +149,67 @@ pub struct StepMetrics {
 
 pub struct Trainer {
     pub model: Llama3Config,
+    /// The train step after the pass pipeline.
     pub graph: Graph,
+    pub fingerprint: Fingerprint,
     pub timings: BuildTimings,
     /// What each pass of the pipeline did.
     pub passes: Vec<PassRecord>,
+    /// Resident memory just before the step was loaded onto its backend.
+    pub rss_before_load: Option<usize>,
     cfg: TrainConfig,
+    /// What `use_backend` compiles with again.
+    fusion: FusionLimits,
+    runtime: RuntimeOptions,
     feeds: Vec<Feed>,
-    /// Current value of every input; data slots are refilled each step.
+    /// Current value of every input; data slots are refilled each step, carried ones are stale
+    /// while `slots_stale` (the executor holds the current values).
     slots: Vec<HostTensor>,
-    /// For each graph output, the input slot it donates to.
-    donations: Vec<Option<usize>>,
     loss_output: usize,
     grad_norm_output: usize,
     steps_done: u64,
-    /// A compiled backend holding parameters and state in its arena; `None` runs the
-    /// interpreter on `slots`.
-    exec: Option<Box<dyn Executor>>,
-    /// Carried slots are stale (the backend holds the current values).
+    exec: Box<dyn Executor>,
     slots_stale: bool,
-    /// A step failed on a compiled backend after its in-place update: the state is not one any
-    /// completed step left, so it must not be checkpointed.
+    /// A step failed after the executor had updated parameters in place: the state is not one
+    /// any completed step left, so it must not be checkpointed.
     poisoned: bool,
 }
 
 impl Trainer {
-    /// Builds the step for `model`, runs `pipeline` on it, and initializes parameters and state.
+    /// Builds the step for `model` through `pipeline` and runs it on the reference interpreter,
+    /// with parameters and state initialized.
     pub fn new(
         model: &Llama3Config,
         cfg: TrainConfig,
         pipeline: &Pipeline,
     ) -> Result<Self, TrainError> {
-        let Built {
-            step,
-            timings,
-            passes,
-        } = build_step(model, DType::F32, &cfg.optim, pipeline)?;
-        let graph = step.graph;
+        Self::build(
+            model,
+            cfg,
+            Backend::Reference,
+            &CompileOptions::new(pipeline, Mode::Fused),
+        )
+    }
+
+    /// Builds the step for `model`, compiles it for `backend` with `options` and initializes
+    /// parameters and state.
+    pub fn build(
+        model: &Llama3Config,
+        cfg: TrainConfig,
+        backend: Backend,
+        options: &CompileOptions<'_>,
+    ) -> Result<Self, TrainError> {
+        let Traced { step, mut timings } = build_step(model, DType::F32, &cfg.optim)?;
+        let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
+        let passes = std::mem::take(&mut compiled.passes);
+        timings.passes = compiled.timings.passes;
+        timings.lower = compiled.timings.lower;
+        let graph = compiled.graph.clone();
         // The trainer holds parameters and optimizer state on the host (f64) before any backend
         // sees them: say so if that cannot fit, instead of being killed mid-initialization.
         let host_values: usize = graph.inputs.iter().map(|i| graph.ty(i.value).numel()).sum();
         let host_bytes = host_values.saturating_mul(8);
-        if let Some(available) = graphtrain_runtime::available_memory_bytes() {
+        if let Some(available) = options.runtime.available_memory_bytes() {
             if host_bytes > available {
                 return Err(err(format!(
                     "the train step does not fit: its parameters, optimizer state and batch are {} \
@@ -248,12 +253,6 @@ values, {} as the trainer's f64 host copies, and {} is available",
             feeds.push(feed);
             slots.push(value);
         }
-        let slot_of = |v| graph.inputs.iter().position(|i| i.value == v);
-        let donations = graph
-            .outputs
-            .iter()
-            .map(|o| o.donates.and_then(slot_of))
-            .collect();
         let position = |name: &str| {
             graph
                 .outputs
@@ -263,79 +262,80 @@ values, {} as the trainer's f64 host copies, and {} is available",
         };
         let loss_output = position("loss")?;
         let grad_norm_output = position("grad_norm")?;
+        let rss_before_load = crate::bench::current_rss_bytes();
+        let t = Instant::now();
+        let exec = load(compiled, &slots)?;
+        timings.load = t.elapsed();
         Ok(Trainer {
             model: model.clone(),
+            fingerprint: Fingerprint::of(&graph),
             graph,
             timings,
             passes,
+            rss_before_load,
             cfg,
+            fusion: options.fusion,
+            runtime: options.runtime.clone(),
             feeds,
             slots,
-            donations,
             loss_output,
             grad_norm_output,
             steps_done: 0,
-            exec: None,
+            exec,
             slots_stale: false,
             poisoned: false,
         })
     }
 
-    /// Runs the following steps on `backend` (lowered in `mode`) instead of the interpreter.
-    /// Parameters and optimizer state move into the backend's arena and stay there; only the
-    /// batch, lr and step are written per step.
+    /// Runs the following steps on `backend` (lowered in `mode`): the optimized graph is
+    /// compiled again for it, without passes, and parameters and optimizer state move into its
+    /// executor; only the batch, lr and step are written per step.
     pub fn use_backend(&mut self, backend: Backend, mode: Mode) -> Result<(), TrainError> {
         self.pull_slots()?;
-        if backend == Backend::Reference {
-            self.exec = None;
-            return Ok(());
-        }
-        let graph = if mode == Mode::Eager {
-            self.graph.clone()
-        } else {
-            legalize(&self.graph, backend)?
+        let no_passes = Pipeline::new(Vec::new());
+        let options = CompileOptions {
+            pipeline: &no_passes,
+            mode,
+            fusion: self.fusion,
+            runtime: self.runtime.clone(),
         };
-        let mut exec = graphtrain_runtime::load(&graph, backend, mode).map_err(err)?;
-        write_inputs(exec.as_mut(), &self.slots)?;
-        self.exec = Some(exec);
+        let compiled = compile(&self.graph, backend, &options).map_err(err)?;
+        self.timings.lower = compiled.timings.lower;
+        self.rss_before_load = crate::bench::current_rss_bytes();
+        let t = Instant::now();
+        self.exec = load(compiled, &self.slots)?;
+        self.timings.load = t.elapsed();
         Ok(())
     }
 
     /// The loaded program, when a compiled backend runs the steps.
     pub fn program(&self) -> Option<&Program> {
-        self.exec.as_ref().map(|e| e.program())
+        self.exec.program()
     }
 
-    /// Time by step kind, when profiling was asked for (`GRAPHTRAIN_PROFILE=1`, compiled
+    /// Time by step kind, when profiling was asked for (`RuntimeOptions::profile`, compiled
     /// backends).
     pub fn profile_report(&mut self) -> Option<String> {
-        self.exec.as_mut().and_then(|e| e.profile_report())
+        self.exec.profile_report()
     }
 
-    /// Bytes the backend holds for tensors (the arena), when a compiled backend runs the steps.
-    pub fn backend_memory_bytes(&self) -> Option<usize> {
-        self.exec.as_ref().map(|e| e.memory_bytes())
-    }
-
-    /// Brings parameters and state back from the backend into `slots`.
+    /// Brings parameters and state back from the executor into `slots`.
     fn pull_slots(&mut self) -> Result<(), TrainError> {
         if !self.slots_stale {
             return Ok(());
         }
-        let Some(exec) = self.exec.as_mut() else {
-            return Ok(());
-        };
-        let inputs = program_inputs(exec.as_ref());
+        let inputs = program_inputs(self.exec.as_ref());
         for ((v, slot), feed) in inputs.into_iter().zip(&mut self.slots).zip(&self.feeds) {
             if matches!(feed, Feed::Carried) {
-                *slot = exec.read(v).map_err(err)?;
+                *slot = self.exec.read(v).map_err(err)?;
             }
         }
         self.slots_stale = false;
         Ok(())
     }
 
-    /// Runs one train step. A non-finite loss stops training with an error naming the step.
+    /// Runs one train step. A non-finite loss or grad norm stops training with an error naming
+    /// the step.
     pub fn step(&mut self) -> Result<StepMetrics, TrainError> {
         let m = &self.model;
         let b = batch(
@@ -347,6 +347,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             m.vocab_size,
         );
         let step_no = self.steps_done + 1;
+        let tokens = m.batch * m.seq_len;
         for (slot, feed) in self.slots.iter_mut().zip(&self.feeds) {
             match feed {
                 Feed::Tokens => slot.data = b.tokens.iter().map(|&t| t as f64).collect(),
@@ -356,87 +357,46 @@ values, {} as the trainer's f64 host copies, and {} is available",
                 Feed::Carried => {}
             }
         }
-        if let Some(exec) = self.exec.as_mut() {
-            return Self::step_on(
-                exec.as_mut(),
-                &self.slots,
-                &self.feeds,
-                (self.loss_output, self.grad_norm_output),
-                step_no,
-                m.batch * m.seq_len,
-            )
-            .inspect(|_metrics| {
+        let result = self.run_step(step_no, tokens);
+        match &result {
+            Ok(_) => {
                 self.slots_stale = true;
                 self.steps_done = step_no;
-            })
-            .inspect_err(|_| {
-                // The backend updated parameters in place before the loss could be checked.
-                self.poisoned = true;
-            });
-        }
-        let t0 = Instant::now();
-        let out = interp::run(&self.graph, &self.slots)
-            .map_err(|e| err(format!("step {step_no}: {e}")))?;
-        let seconds = t0.elapsed().as_secs_f64();
-        let loss = out.outputs[self.loss_output].data[0];
-        let grad_norm = out.outputs[self.grad_norm_output].data[0];
-        if !loss.is_finite() || !grad_norm.is_finite() {
-            return Err(err(format!(
-                "step {step_no}: loss is {loss} (grad_norm {grad_norm}); stopping before the update is kept"
-            )));
-        }
-        for (value, donation) in out.outputs.into_iter().zip(&self.donations) {
-            if let Some(slot) = donation {
-                self.slots[*slot] = value;
             }
+            // Where the executor can put the donated inputs back, nothing of the failed step
+            // is kept; where it updated them in place, the state is not a step's.
+            Err(_) => self.poisoned |= !self.exec.undo_last_run(),
         }
-        self.steps_done = step_no;
-        Ok(StepMetrics {
-            step: step_no,
-            loss,
-            grad_norm,
-            peak_bytes: out.peak_bytes,
-            seconds,
-            tokens: m.batch * m.seq_len,
-        })
+        result
     }
 
-    fn step_on(
-        exec: &mut dyn Executor,
-        slots: &[HostTensor],
-        feeds: &[Feed],
-        (loss_output, grad_norm_output): (usize, usize),
-        step_no: u64,
-        tokens: usize,
-    ) -> Result<StepMetrics, TrainError> {
+    fn run_step(&mut self, step_no: u64, tokens: usize) -> Result<StepMetrics, TrainError> {
+        let at_step = |e: graphtrain_runtime::RuntimeError| err(format!("step {step_no}: {e}"));
+        let exec = self.exec.as_mut();
         let t0 = Instant::now();
         let inputs = program_inputs(exec);
-        let outputs: Vec<ValueId> = exec
-            .program()
-            .graph
-            .outputs
-            .iter()
-            .map(|o| o.value)
-            .collect();
-        for ((v, slot), feed) in inputs.into_iter().zip(slots).zip(feeds) {
+        for ((v, slot), feed) in inputs.into_iter().zip(&self.slots).zip(&self.feeds) {
             if !matches!(feed, Feed::Carried) {
-                exec.write(v, slot)
-                    .map_err(|e| err(format!("step {step_no}: {e}")))?;
+                exec.write(v, slot).map_err(at_step)?;
             }
         }
-        exec.run()
-            .map_err(|e| err(format!("step {step_no}: {e}")))?;
-        let read = |exec: &mut dyn Executor, k: usize| {
-            exec.read(outputs[k])
-                .map(|t| t.data[0])
-                .map_err(|e| err(format!("step {step_no}: {e}")))
-        };
-        let loss = read(exec, loss_output)?;
-        let grad_norm = read(exec, grad_norm_output)?;
+        exec.run().map_err(at_step)?;
+        let outputs = &exec.graph().outputs;
+        let (loss_value, grad_norm_value) = (
+            outputs[self.loss_output].value,
+            outputs[self.grad_norm_output].value,
+        );
+        let loss = exec.read(loss_value).map_err(at_step)?.data[0];
+        let grad_norm = exec.read(grad_norm_value).map_err(at_step)?.data[0];
         let seconds = t0.elapsed().as_secs_f64();
         if !loss.is_finite() || !grad_norm.is_finite() {
+            let kept = if exec.program().is_none() {
+                "stopping before the update is kept"
+            } else {
+                "stopping (the compiled backend updates in place, so resume from the last checkpoint)"
+            };
             return Err(err(format!(
-                "step {step_no}: loss is {loss} (grad_norm {grad_norm}); stopping (the compiled backend updates in place, so resume from the last checkpoint)"
+                "step {step_no}: loss is {loss} (grad_norm {grad_norm}); {kept}"
             )));
         }
         Ok(StepMetrics {
@@ -448,7 +408,6 @@ values, {} as the trainer's f64 host copies, and {} is available",
             tokens,
         })
     }
-
     /// Steps completed so far.
     pub fn steps_done(&self) -> u64 {
         self.steps_done
@@ -524,9 +483,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             )));
         }
         self.steps_done = ckpt.header.steps_done;
-        if let Some(exec) = self.exec.as_mut() {
-            write_inputs(exec.as_mut(), &self.slots)?;
-        }
+        write_inputs(self.exec.as_mut(), &self.slots)?;
         self.slots_stale = false;
         Ok(())
     }

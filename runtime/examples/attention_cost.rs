@@ -2,7 +2,8 @@
 //! ([8, 8, 256, 32], one kv head per query head), and the GFLOP/s of the products they do.
 //! `cargo run --release -p graphtrain-runtime --example attention_cost`
 
-use graphtrain_runtime::attention::{backward, forward, Dims, Grads, Heads};
+use graphtrain_runtime::cpu::attention::{backward, forward, Dims, Grads, Heads, Qkv};
+use graphtrain_runtime::cpu::gemm::GemmKernel;
 use std::time::Instant;
 
 fn main() {
@@ -25,6 +26,11 @@ fn main() {
         offset: t * n,
         strides: [h * s * d, s * d, d, 1],
     };
+    let qkv = Qkv {
+        q: heads(0),
+        k: heads(1),
+        v: heads(2),
+    };
     let grads = Grads {
         dq: heads(5),
         dk: heads(6),
@@ -37,9 +43,9 @@ fn main() {
     for (name, flops) in [("forward", fwd_flops), ("backward", 2.5 * fwd_flops)] {
         let run = || unsafe {
             if name == "forward" {
-                forward(base, dims, heads(0), heads(1), heads(2), heads(4))
+                forward(base, dims, GemmKernel::Widest, qkv, heads(4))
             } else {
-                backward(base, dims, heads(0), heads(1), heads(2), heads(3), grads)
+                backward(base, dims, GemmKernel::Widest, qkv, heads(3), grads)
             }
         };
         run();

@@ -7,7 +7,7 @@
 //! them several times, and compare with `torch.matmul` in the same sitting
 //! (docs/benchmarks.md).
 
-use graphtrain_runtime::gemm::{sgemm, Layout};
+use graphtrain_runtime::cpu::gemm::{sgemm, Layout};
 use std::time::Instant;
 
 /// (label, m, n, k, A stored transposed, B stored transposed)
@@ -33,7 +33,7 @@ fn layout(rows: usize, cols: usize, trans: bool) -> Layout {
 }
 
 fn main() {
-    let width = graphtrain_runtime::pool::Pool::global().width();
+    let width = graphtrain_runtime::cpu::pool::Pool::global().width();
     let threads: Vec<usize> = match std::env::args().nth(1) {
         Some(t) => vec![t.parse().expect("THREADS must be a number")],
         None => vec![1, width],

@@ -8,7 +8,7 @@
 //!   cargo run --release -p graphtrain-runtime --example gemm_vs_mkl [ROUNDS]
 //! ```
 
-use graphtrain_runtime::gemm::{sgemm, Layout};
+use graphtrain_runtime::cpu::gemm::{sgemm, Layout};
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,7 @@ fn main() {
         .nth(1)
         .map_or(30, |r| r.parse().expect("ROUNDS"));
     let mkl = load_mkl();
-    let threads = graphtrain_runtime::pool::Pool::global().width();
+    let threads = graphtrain_runtime::cpu::pool::Pool::global().width();
     // (label, m, n, k, A stored transposed, B stored transposed): `peer`'s shapes, as in
     // `gemm_shapes`, and the square one of the speed target.
     for &(label, m, n, k, ta, tb) in &[

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 use graphtrain_lowering::Expr;
-use graphtrain_runtime::kernels::map_kernel;
+use graphtrain_runtime::shared::kernels::map_kernel;
 use std::time::Instant;
 
 fn main() {

@@ -1,35 +1,38 @@
-//! graphtrain's runtime: runs a lowered `Program` (graphtrain-lowering) on a backend.
+//! graphtrain's runtime: compiles a train-step graph for a backend and runs it.
 //!
+//! - `compile` is the one driver: pipeline, legalization, lowering, then `Compiled::load` gives
+//!   a loaded `Executor`. The trainer, `bench`, the numerics gate (and the ranks, the simulator
+//!   and the search loop after them) get a runnable step only through it;
 //! - `Backend` names what `--backend` accepts and says, for one that is not built in or not
 //!   present, what is missing and how to get it;
-//! - `Executor` is what every backend implements: write inputs into the arena, run the steps,
-//!   read values back. Parameters and optimizer state stay in the arena between steps (their
-//!   outputs are donated to their inputs), so a training loop only writes the batch;
-//! - `cpu` (cubecl-cpu) is the fast compiled backend; `device` runs the same Programs on
-//!   `wgpu` and `cuda`, its composites on kernels of their own; `reference` runs the
-//!   interpreter.
+//! - `Executor` is what every backend implements, the interpreter included: write inputs, run
+//!   the step, read values back. Parameters and optimizer state stay in the executor between
+//!   steps (their outputs are donated to their inputs), so a training loop only writes the batch;
+//! - `cpu/` (cubecl-cpu plus host kernels) is the fast compiled backend; `device/` runs the same
+//!   Programs on `wgpu` and `cuda`; `shared/` holds what both use (the cubecl kernels and their
+//!   launches, the profile); `reference.rs` runs the interpreter;
+//! - `options.rs` holds every setting an executor is given (`RuntimeOptions`), and `comm.rs` the
+//!   communicator each executor is given (one rank for now).
 //!
-//! Invariant: an executor never changes a Program's numerics: the same Program on the same
-//! backend gives bitwise identical results every run (no autotuning, fixed summation orders).
+//! Architecture invariant: an executor never changes a Program's numerics: the same Program on
+//! the same backend gives bitwise identical results every run (no autotuning, fixed summation
+//! orders). Nothing here reads the environment: settings come in through `RuntimeOptions`.
 
-pub mod adamw;
-pub mod attention;
+pub mod comm;
+pub mod compile;
 pub mod cpu;
-pub mod cross_entropy;
 pub mod device;
-pub mod device_composites;
-pub mod device_kernels;
-pub mod gemm;
-pub mod kernels;
-pub mod launches;
-pub mod pool;
-pub mod replay;
-pub mod rope;
-mod rows;
+pub mod options;
+pub mod reference;
+pub mod shared;
 
-use device::DeviceKind;
-use graphtrain_ir::{interp, Graph, HostTensor, Op, ValueId};
-use graphtrain_lowering::{kept_composite, lower_with, Mode, Program};
+pub use comm::{Communicator, SingleRank};
+pub use compile::{compile, legalize, CompileOptions, CompileTimings, Compiled, Fingerprint};
+pub use options::{GemmKernel, Profile, RuntimeOptions};
+pub use reference::ReferenceExecutor;
+
+use graphtrain_ir::{Graph, HostTensor, Op, ValueId};
+use graphtrain_lowering::{kept_composite, Mode, Program};
 use std::fmt;
 use std::str::FromStr;
 
@@ -112,6 +115,8 @@ impl FromStr for Backend {
 pub enum RuntimeError {
     /// The backend is not built in or not present.
     Unavailable(String),
+    /// The pass pipeline failed (a pass error, or a graph the verifier refused after a pass).
+    Pipeline(String),
     /// The graph cannot be lowered for this backend.
     Lower(String),
     /// Bad input data (wrong type, out-of-range index, ...).
@@ -126,6 +131,7 @@ impl fmt::Display for RuntimeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RuntimeError::Unavailable(m)
+            | RuntimeError::Pipeline(m)
             | RuntimeError::Lower(m)
             | RuntimeError::Input(m)
             | RuntimeError::Backend(m)
@@ -136,157 +142,50 @@ impl fmt::Display for RuntimeError {
 
 impl std::error::Error for RuntimeError {}
 
-/// Host memory a new allocation may use: `GRAPHTRAIN_MEMORY_LIMIT_MIB` when set (to share a
-/// machine, or to try the does-not-fit path), else the OS's estimate of available memory
-/// (Linux `MemAvailable`); `None` when neither is known.
-pub fn available_memory_bytes() -> Option<usize> {
-    if let Some(mib) = std::env::var("GRAPHTRAIN_MEMORY_LIMIT_MIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        return Some(mib << 20);
-    }
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib << 10)
-}
-
-/// Whether `t` may be written into value `v` of `p` on a compiled backend: the same type, and
-/// integers that its f32 storage holds exactly.
-pub(crate) fn check_input(p: &Program, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-    let ty = p.graph.ty(v);
-    if &t.ty != ty {
-        return Err(RuntimeError::Input(format!(
-            "value {v:?} expects {ty}, got {}",
-            t.ty
-        )));
-    }
-    if !ty.dtype.is_float() {
-        let limit = graphtrain_lowering::program::MAX_EXACT_INT as f64;
-        if let Some(bad) = t.data.iter().find(|x| x.abs() > limit) {
-            return Err(RuntimeError::Input(format!(
-                "integer {bad} is beyond 2^24, which the f32 storage of this backend cannot hold exactly"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Element `i` of an iota step: its index along a dim of size `dim` with `inner` elements
-/// below it. Computed on the host by every compiled backend.
-pub(crate) fn iota_value(i: usize, inner: usize, dim: usize) -> f32 {
-    ((i / inner.max(1)) % dim.max(1)) as f32
-}
-
-/// Element `i` of a random step's draw from `seed` (as the f32 the arena holds it).
-pub(crate) fn random_value(seed: f32, stream: u64, normal: bool, i: usize) -> f32 {
-    let seed = seed as i64 as u64;
-    let x = if normal {
-        graphtrain_ir::rng::normal(seed, stream, i as u64)
-    } else {
-        graphtrain_ir::rng::uniform(seed, stream, i as u64)
-    };
-    x as f32
-}
-
 /// Bytes as MiB for messages.
 pub fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// A Program loaded on a backend.
+/// A step loaded on a backend.
 pub trait Executor {
-    fn program(&self) -> &Program;
+    /// The graph whose values `write` and `read` address: the legalized graph a compiled
+    /// backend's Program runs, the optimized graph itself on the interpreter. Its inputs and
+    /// outputs are those of the graph that was compiled, in the same order.
+    fn graph(&self) -> &Graph;
+    /// The Program it runs; `None` on the interpreter, which runs the graph itself.
+    fn program(&self) -> Option<&Program> {
+        None
+    }
+    /// How it reaches the other ranks of its run.
+    fn communicator(&self) -> &dyn Communicator;
     /// Writes a graph input (or any planned value).
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError>;
     /// Runs every step once.
     fn run(&mut self) -> Result<(), RuntimeError>;
     /// Reads a value (a graph output, or an input not yet overwritten).
     fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError>;
-    /// Bytes of device memory held for tensors (the arena).
+    /// Bytes of memory held for tensors: the arena on a compiled backend, the peak of live
+    /// tensors in the last run on the interpreter.
     fn memory_bytes(&self) -> usize;
-    /// Time by step kind, when the backend was asked to profile (`GRAPHTRAIN_PROFILE=1`).
+    /// Puts the donated inputs back as they were before the last `run`, where the backend kept
+    /// them: `false` where it updates them in place (every compiled backend), and then the state
+    /// after a failed step is not one any completed step left.
+    fn undo_last_run(&mut self) -> bool {
+        false
+    }
+    /// Time by step kind, when the backend was asked to profile (`RuntimeOptions::profile`).
     fn profile_report(&mut self) -> Option<String> {
         None
     }
 }
 
-/// The interpreter behind the same interface: inputs kept on the host, outputs written back into
-/// the donated inputs after each run.
-pub struct ReferenceExecutor {
-    program: Program,
-    values: Vec<Option<HostTensor>>,
-    peak: usize,
-}
-
-impl ReferenceExecutor {
-    pub fn new(program: Program) -> Self {
-        let n = program.graph.values.len();
-        ReferenceExecutor {
-            program,
-            values: vec![None; n],
-            peak: 0,
-        }
-    }
-}
-
-impl Executor for ReferenceExecutor {
-    fn program(&self) -> &Program {
-        &self.program
-    }
-
-    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-        self.values[v.index()] = Some(t.clone());
-        Ok(())
-    }
-
-    fn run(&mut self) -> Result<(), RuntimeError> {
-        let g = &self.program.graph;
-        let inputs: Vec<HostTensor> = g
-            .inputs
-            .iter()
-            .map(|i| {
-                self.values[i.value.index()].clone().ok_or_else(|| {
-                    RuntimeError::Input(format!("input `{}` was never written", i.name))
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        let out = interp::run(g, &inputs).map_err(|e| RuntimeError::Backend(e.to_string()))?;
-        self.peak = out.peak_bytes;
-        for (o, t) in g.outputs.iter().zip(out.outputs) {
-            if let Some(d) = o.donates {
-                self.values[d.index()] = Some(t.clone());
-            }
-            self.values[o.value.index()] = Some(t);
-        }
-        Ok(())
-    }
-
-    fn read(&mut self, v: ValueId) -> Result<HostTensor, RuntimeError> {
-        self.values[v.index()]
-            .clone()
-            .ok_or_else(|| RuntimeError::Input(format!("value {v:?} has no data yet")))
-    }
-
-    fn memory_bytes(&self) -> usize {
-        self.peak
-    }
-}
-
-/// Lowers `g` and loads it on `backend`.
+/// Compiles `g` without passes and loads it on `backend`, with default runtime options and one
+/// rank.
 pub fn load(g: &Graph, backend: Backend, mode: Mode) -> Result<Box<dyn Executor>, RuntimeError> {
-    if let Some(why) = backend.unavailable() {
-        return Err(RuntimeError::Unavailable(why));
-    }
-    let program = lower_with(g, mode, &|op| backend.keeps_composite(op))
-        .map_err(|e| RuntimeError::Lower(e.to_string()))?;
-    Ok(match backend {
-        Backend::Reference => Box::new(ReferenceExecutor::new(program)),
-        Backend::Cpu => Box::new(cpu::CpuExecutor::new(program)?),
-        Backend::Wgpu => Box::new(device::DeviceExecutor::new(program, DeviceKind::Wgpu)?),
-        Backend::Cuda => Box::new(device::DeviceExecutor::new(program, DeviceKind::Cuda)?),
-    })
+    let pipeline = graphtrain_passes::Pipeline::new(Vec::new());
+    let options = CompileOptions::new(&pipeline, mode);
+    compile(g, backend, &options)?.load(Box::new(SingleRank))
 }
 
 /// Runs `g` once on `backend` from host inputs (in `g.inputs` order) and returns its outputs: the
@@ -298,7 +197,7 @@ pub fn run_once(
     inputs: &[HostTensor],
 ) -> Result<Vec<HostTensor>, RuntimeError> {
     let mut ex = load(g, backend, mode)?;
-    let prog_inputs: Vec<ValueId> = ex.program().graph.inputs.iter().map(|i| i.value).collect();
+    let prog_inputs: Vec<ValueId> = ex.graph().inputs.iter().map(|i| i.value).collect();
     if prog_inputs.len() != inputs.len() {
         return Err(RuntimeError::Input(format!(
             "the graph takes {} inputs, got {}",
@@ -310,6 +209,6 @@ pub fn run_once(
         ex.write(*v, t)?;
     }
     ex.run()?;
-    let outs: Vec<ValueId> = ex.program().graph.outputs.iter().map(|o| o.value).collect();
+    let outs: Vec<ValueId> = ex.graph().outputs.iter().map(|o| o.value).collect();
     outs.into_iter().map(|v| ex.read(v)).collect()
 }

@@ -12,7 +12,7 @@
 //! `p' = p·(lr·(-wd) + 1) - ((lr / bc1)·m') / (sqrt(v') / sqrt(bc2) + eps)`.
 //! Each element is independent, so the split never changes a bit.
 
-use crate::pool::{Pool, TaskPtr};
+use super::pool::{Pool, TaskPtr};
 
 /// The arena, shared by the tasks: every element is read and written at its own index by
 /// exactly one task.

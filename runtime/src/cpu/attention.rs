@@ -17,9 +17,10 @@
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
 
-use crate::gemm::{self, Layout};
-use crate::pool::{Pool, TaskPtr};
-use crate::rows::{exp, row_dot, row_max, row_sum};
+use super::gemm::{self, Layout};
+use super::pool::{Pool, TaskPtr};
+use super::rows::{exp, row_dot, row_max, row_sum};
+pub use crate::shared::attention_shape::Dims;
 use std::cell::RefCell;
 
 /// A rank-4 `[B, H, S, D]` operand: element offset of `[0, 0, 0, 0]` in the arena and strides.
@@ -56,18 +57,6 @@ impl Heads {
     }
 }
 
-/// Shapes shared by forward and backward.
-#[derive(Clone, Copy, Debug)]
-pub struct Dims {
-    pub batch: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub seq: usize,
-    pub head_dim: usize,
-    pub causal: bool,
-    pub scale: f32,
-}
-
 /// The arena, shared by the tasks (each writes its own heads only).
 type Arena = TaskPtr<f32>;
 
@@ -85,6 +74,7 @@ fn row_major(cols: usize) -> Layout {
 /// The operands must be valid for their layouts; `c` must not overlap them.
 #[allow(clippy::too_many_arguments)]
 unsafe fn mm(
+    kernel: gemm::GemmKernel,
     m: usize,
     n: usize,
     k: usize,
@@ -95,7 +85,7 @@ unsafe fn mm(
     c: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe { gemm::sgemm(1, m, n, k, a, la, b, lb, c, 1) }
+    unsafe { gemm::sgemm_with(kernel, 1, m, n, k, a, la, b, lb, c, 1) }
 }
 
 /// One row of probabilities: `live` scaled, masked scores in, `p` out (zeros past `live`).
@@ -169,7 +159,7 @@ unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
         let live = if d.causal { r0 + i + 1 } else { n };
         // SAFETY: the feature is enabled here; `live <= n`.
-        unsafe { crate::rows::x86::softmax16(row, live, d.scale) };
+        unsafe { super::rows::x86::softmax16(row, live, d.scale) };
     }
 }
 
@@ -205,6 +195,7 @@ fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
 unsafe fn probabilities(
     arena: Arena,
     d: &Dims,
+    kernel: gemm::GemmKernel,
     q: &Heads,
     k: &Heads,
     (b, h): (usize, usize),
@@ -218,6 +209,7 @@ unsafe fn probabilities(
     // SAFETY: the views lie in the arena; `p` is our own scratch.
     unsafe {
         mm(
+            kernel,
             r1 - r0,
             n,
             d.head_dim,
@@ -297,7 +289,8 @@ impl Heads {
 ///
 /// # Safety
 /// `base` is the arena; the views and `out` lie inside it, `out` overlapping none of them.
-pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out: Heads) {
+pub unsafe fn forward(base: *mut f32, d: Dims, kernel: gemm::GemmKernel, qkv: Qkv, out: Heads) {
+    let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
@@ -311,8 +304,9 @@ pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out
                 for (r0, r1, n) in blocks(&d, FORWARD_ROWS) {
                     // SAFETY: the caller's contract; each task writes only its own heads of `out`.
                     unsafe {
-                        probabilities(arena, &d, &q, &k, (b, h), (r0, r1, n), p);
+                        probabilities(arena, &d, kernel, &q, &k, (b, h), (r0, r1, n), p);
                         mm(
+                            kernel,
                             r1 - r0,
                             hd,
                             n,
@@ -328,6 +322,14 @@ pub unsafe fn forward(base: *mut f32, d: Dims, q: Heads, k: Heads, v: Heads, out
             }
         });
     });
+}
+
+/// The operands of both directions: queries `[B, H, S, D]`, keys and values `[B, Hkv, S, D]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Qkv {
+    pub q: Heads,
+    pub k: Heads,
+    pub v: Heads,
 }
 
 /// Outputs of the backward step, laid out as `forward`'s `out`.
@@ -348,12 +350,12 @@ pub struct Grads {
 pub unsafe fn backward(
     base: *mut f32,
     d: Dims,
-    q: Heads,
-    k: Heads,
-    v: Heads,
+    kernel: gemm::GemmKernel,
+    qkv: Qkv,
     dout: Heads,
     grads: Grads,
 ) {
+    let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
@@ -383,11 +385,12 @@ pub unsafe fn backward(
                     let (dob, qb) = (doo + r0 * dol.row_stride, qo + r0 * ql.row_stride);
                     // SAFETY: the caller's contract; each task writes only its own heads.
                     unsafe {
-                        probabilities(arena, &d, &q, &k, (b, h), (r0, r1, n), p);
+                        probabilities(arena, &d, kernel, &q, &k, (b, h), (r0, r1, n), p);
                         let p = &p[..rows * n];
                         let ds = &mut ds[..rows * n];
                         // dv[..n] += pᵀ dout[r0..r1]
                         mm(
+                            kernel,
                             n,
                             hd,
                             rows,
@@ -402,6 +405,7 @@ pub unsafe fn backward(
                             .for_each(|(a, x)| *a += x);
                         // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place.
                         mm(
+                            kernel,
                             rows,
                             n,
                             hd,
@@ -414,6 +418,7 @@ pub unsafe fn backward(
                         softmax_grad(p, ds, n);
                         // dq[r0..r1] = (ds k[..n]) * scale
                         mm(
+                            kernel,
                             rows,
                             hd,
                             n,
@@ -428,6 +433,7 @@ pub unsafe fn backward(
                         grads.dq.write_rows(arena, (b, h), r0, dq, hd);
                         // dk[..n] += (dsᵀ q[r0..r1]) * scale
                         mm(
+                            kernel,
                             n,
                             hd,
                             rows,
@@ -455,7 +461,7 @@ pub unsafe fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rows::tests::row;
+    use crate::cpu::rows::tests::row;
 
     /// The AVX2 and AVX-512 softmax and the AVX2 gradient give the portable loops' bits.
     #[test]

@@ -11,8 +11,8 @@
 //! so the bits depend neither on the thread count nor on the split. Gradient:
 //! `(exp(x_j - m) / s - [j == t]) · (g / N)`.
 
-use crate::pool::{Pool, TaskPtr};
-use crate::rows::{exp, row_max, row_sum};
+use super::pool::{Pool, TaskPtr};
+use super::rows::{exp, row_max, row_sum};
 
 /// `[N, C]` logits in the arena: element `(r, j)` at `offset + r·row_stride + j·col_stride`.
 #[derive(Clone, Copy, Debug)]
@@ -80,7 +80,7 @@ fn exp_row<const AVX2: bool, const EXP16: bool>(x: &[f32], e: &mut [f32]) -> (f3
     #[cfg(target_arch = "x86_64")]
     if EXP16 {
         // SAFETY: `EXP16` is set only in the AVX-512 builds below; `e` is as long as `x`.
-        unsafe { crate::rows::x86::exp_minus16(x, m, e) };
+        unsafe { super::rows::x86::exp_minus16(x, m, e) };
         return (m, row_sum::<AVX2>(e));
     }
     for (e, &x) in e.iter_mut().zip(x) {
@@ -251,7 +251,7 @@ pub unsafe fn backward(base: *mut f32, x: Logits, t: &[usize], g: f32, out: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rows::tests::row;
+    use crate::cpu::rows::tests::row;
 
     /// The AVX-512 and AVX2 builds of the loss and gradient loops give the portable loops'
     /// bits, on rows whose length leaves a partial last group of 16 and of 8.

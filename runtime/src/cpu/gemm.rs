@@ -11,8 +11,8 @@
 //!   count, nor on the block sizes, nor on the scheduling, and the AVX2 and AVX-512 paths
 //!   give identical bits (both are the same fused chain). The portable fallback uses fused
 //!   multiply-add only where the target has it in hardware, so it may differ in rounding.
-//! * Kernel: AVX-512F 12x32 if present, else AVX2+FMA 6x16, else portable 4x8; chosen once per
-//!   process (env `GRAPHTRAIN_GEMM_KERNEL=avx2|scalar` forces a narrower one, for benchmarks).
+//! * Kernel: AVX-512F 12x32 if present, else AVX2+FMA 6x16, else portable 4x8, detected once per
+//!   process; a caller may ask for a narrower one (`GemmKernel`, for benchmarks).
 //! * Work is split into tasks that the threads claim as they go. With one batch, tasks split
 //!   only m (or only n) when the other operand is small enough: each thread then packs that
 //!   operand once per call and reuses it for all its tasks, so a core that the host slows down
@@ -100,7 +100,66 @@ pub unsafe fn sgemm(
     threads: usize,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { sgemm_path(detect_path(), batch, m, n, k, a, la, b, lb, c, threads) }
+    unsafe { sgemm_with(GemmKernel::Widest, batch, m, n, k, a, la, b, lb, c, threads) }
+}
+
+/// [`sgemm`] on the kernel `kernel` names (the widest the cpu has where it names one the cpu
+/// lacks). Every kernel gives the same bits: one FMA chain per output element, k in order.
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm_with(
+    kernel: GemmKernel,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    la: Layout,
+    b: *const f32,
+    lb: Layout,
+    c: *mut f32,
+    threads: usize,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { sgemm_path(kernel.path(), batch, m, n, k, a, la, b, lb, c, threads) }
+}
+
+/// Which register-tiled kernel the GEMM runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// The widest the cpu has: AVX-512, else AVX2 with FMA, else portable.
+    #[default]
+    Widest,
+    /// The AVX2 kernel where the cpu has AVX2 and FMA, else the widest: for measuring it on an
+    /// AVX-512 cpu.
+    Avx2,
+    /// The portable kernel.
+    Portable,
+}
+
+impl GemmKernel {
+    /// `avx2` and `scalar` (the values of the CLI's `GRAPHTRAIN_GEMM_KERNEL`); anything else
+    /// is the widest.
+    pub fn from_setting(value: &str) -> GemmKernel {
+        match value {
+            "avx2" => GemmKernel::Avx2,
+            "scalar" => GemmKernel::Portable,
+            _ => GemmKernel::Widest,
+        }
+    }
+
+    fn path(self) -> Path {
+        let widest = widest_path();
+        match self {
+            GemmKernel::Widest => widest,
+            GemmKernel::Portable => Path::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            GemmKernel::Avx2 if widest != Path::Scalar => Path::Avx2,
+            GemmKernel::Avx2 => widest,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +171,8 @@ enum Path {
     Avx512,
 }
 
-fn detect_path() -> Path {
+/// The widest kernel this cpu runs, detected once per process.
+fn widest_path() -> Path {
     // 0 = unknown; cached so every call on this machine takes the same path.
     static CACHE: AtomicU8 = AtomicU8::new(0);
     let code = CACHE.load(Ordering::Relaxed);
@@ -121,16 +181,7 @@ fn detect_path() -> Path {
         let code = if code != 0 {
             code
         } else {
-            // Override for benchmarking the narrower kernels; read once per process.
-            let force = std::env::var("GRAPHTRAIN_GEMM_KERNEL").unwrap_or_default();
-            let c = if force == "scalar" {
-                1
-            } else if force == "avx2"
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-            {
-                2
-            } else if is_x86_feature_detected!("avx512f") {
+            let c = if is_x86_feature_detected!("avx512f") {
                 3
             } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
                 2
@@ -379,7 +430,7 @@ unsafe fn sgemm_path(
     if threads == 1 {
         worker();
     } else {
-        crate::pool::Pool::global().run(threads, &|_| worker());
+        super::pool::Pool::global().run(threads, &|_| worker());
     }
 }
 

@@ -1,5 +1,5 @@
 //! The `cpu` backend: a Program run on cubecl-cpu. One arena buffer holds every value; map,
-//! copy and reduce steps are cubecl kernels (`kernels.rs`) JIT-compiled through MLIR/LLVM;
+//! copy and reduce steps are cubecl kernels (`shared/kernels.rs`) JIT-compiled through MLIR/LLVM;
 //! matmuls run our own GEMM (`gemm.rs`), attention and rope our own host kernels
 //! (`attention.rs`, `rope.rs`), and gather / scatter-add / iota / random run on the host, all on
 //! the arena's host memory, which cubecl-cpu lets us address directly.
@@ -14,20 +14,30 @@
 //! server. Any step that runs here first waits for that queue (`sync`, free when nothing is
 //! queued), so every step sees its predecessors' writes.
 
-use crate::adamw;
-use crate::attention;
-use crate::cross_entropy;
-use crate::gemm::{self, Layout};
-use crate::launches::{Grid, Launches};
-use crate::pool::Pool;
-use crate::replay::{BoundLaunch, KernelCache};
-use crate::rope;
-use crate::{Executor, RuntimeError};
+pub mod adamw;
+pub mod attention;
+pub mod cross_entropy;
+pub mod gemm;
+pub mod pool;
+pub mod replay;
+pub mod rope;
+mod rows;
+
+use crate::options::{Profile, RuntimeOptions};
+use crate::shared::attention_shape::attention_dims;
+use crate::shared::launches::{Grid, Launches};
+use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
+use crate::shared::rope_tables::{TableKey, Tables};
+use crate::shared::{check_input, iota_value, random_value};
+use crate::{Communicator, Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
-use graphtrain_ir::{HostTensor, ValueId};
+use gemm::Layout;
+use graphtrain_ir::{Graph, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
+use pool::Pool;
+use replay::{BoundLaunch, KernelCache};
 use std::time::{Duration, Instant};
 
 /// Widest vector the map kernels use (8 f32 = one AVX2 register).
@@ -60,21 +70,28 @@ pub struct CpuExecutor {
     /// Whether launches dispatched through cubecl may still be queued.
     queued: bool,
     /// Rotary angle tables by (theta bits, sequence, head dim, inverse), built on first use.
-    rope_tables: std::collections::HashMap<rope::TableKey, rope::Tables>,
+    rope_tables: std::collections::HashMap<TableKey, Tables>,
     /// Time spent in the first run (kernel JIT included).
     pub first_run: Option<Duration>,
-    /// When set, every step is waited for and timed by kind (`GRAPHTRAIN_PROFILE=1`): slower,
+    /// When set, every step is waited for and timed by kind (`Profile::ByKind`): slower,
     /// for finding where the time goes.
     profile: Option<Vec<ProfileEntry>>,
-    /// `GRAPHTRAIN_PROFILE=steps`: every step other than a matmul is its own profile entry,
-    /// with its index and what it does.
+    /// `Profile::EachStep`: every step other than a matmul is its own profile entry, with its
+    /// index and what it does.
     profile_each_step: bool,
+    /// The GEMM kernel matmuls and attention's products run on.
+    gemm: gemm::GemmKernel,
+    comm: Box<dyn Communicator>,
 }
 
 type ComputeClient = Client;
 
 impl CpuExecutor {
-    pub fn new(program: Program) -> Result<Self, RuntimeError> {
+    pub fn new(
+        program: Program,
+        options: RuntimeOptions,
+        comm: Box<dyn Communicator>,
+    ) -> Result<Self, RuntimeError> {
         let device = cubecl::Device::cpu().map_err(|e| {
             RuntimeError::Unavailable(format!("the cpu backend could not start: {e}"))
         })?;
@@ -89,7 +106,7 @@ elements (16 GiB) the cpu kernels address",
                 program.plan
             )));
         }
-        if let Some(available) = crate::available_memory_bytes() {
+        if let Some(available) = options.available_memory_bytes() {
             if len * 4 > available {
                 return Err(RuntimeError::DoesNotFit(format!(
                     "the program does not fit: the buffer plan needs {} ({}), and {} of host \
@@ -127,8 +144,10 @@ memory is available to the cpu backend",
             queued: false,
             rope_tables: Default::default(),
             first_run: None,
-            profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
-            profile_each_step: std::env::var_os("GRAPHTRAIN_PROFILE").is_some_and(|v| v == "steps"),
+            profile: (options.profile != Profile::Off).then(Vec::new),
+            profile_each_step: options.profile == Profile::EachStep,
+            gemm: options.gemm_kernel,
+            comm,
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -245,7 +264,8 @@ shape {:?} strides {:?}",
         // SAFETY: the views and the output lie inside the arena; the planner never places an
         // output over a live operand.
         unsafe {
-            gemm::sgemm(
+            gemm::sgemm_with(
+                self.gemm,
                 batch,
                 m,
                 n,
@@ -371,7 +391,7 @@ shape {:?} strides {:?}",
                 let (inner, dim) = (*inner, *dim);
                 let arena = self.arena_mut();
                 for i in 0..n {
-                    arena[oo + i] = crate::iota_value(i, inner, dim);
+                    arena[oo + i] = iota_value(i, inner, dim);
                 }
             }
             Step::Random {
@@ -385,7 +405,7 @@ shape {:?} strides {:?}",
                 let arena = self.arena_mut();
                 let seed = arena[so];
                 for i in 0..n {
-                    arena[oo + i] = crate::random_value(seed, stream, normal, i);
+                    arena[oo + i] = random_value(seed, stream, normal, i);
                 }
             }
             Step::Attention {
@@ -401,7 +421,9 @@ shape {:?} strides {:?}",
                 let out = self.output_heads(out)?;
                 // SAFETY: the views and the output lie in the arena, the output apart from them
                 // (the planner never places an output over a live operand).
-                unsafe { attention::forward(self.base, d, q, k, v, out) };
+                unsafe {
+                    attention::forward(self.base, d, self.gemm, attention::Qkv { q, k, v }, out)
+                };
             }
             Step::AdamW {
                 updates,
@@ -477,7 +499,16 @@ shape {:?} strides {:?}",
                     self.heads(dout),
                 );
                 // SAFETY: as for the forward step; the three outputs are distinct buffers.
-                unsafe { attention::backward(self.base, d, q, k, v, dout, grads) };
+                unsafe {
+                    attention::backward(
+                        self.base,
+                        d,
+                        self.gemm,
+                        attention::Qkv { q, k, v },
+                        dout,
+                        grads,
+                    )
+                };
             }
             Step::Rope {
                 out,
@@ -502,11 +533,11 @@ shape {:?} strides {:?}",
                     strides,
                 };
                 let out = self.off(*out);
-                let key = rope::Tables::key(*theta, sq, d, *inverse);
+                let key = Tables::key(*theta, sq, d, *inverse);
                 let tables = self
                     .rope_tables
                     .entry(key)
-                    .or_insert_with(|| rope::Tables::new(*theta, sq, d, *inverse));
+                    .or_insert_with(|| Tables::new(*theta, sq, d, *inverse));
                 // SAFETY: the view and the output lie in the arena, apart (the planner never
                 // places an output over a live operand).
                 unsafe { rope::apply(self.base, input, out, *layout, tables) };
@@ -514,31 +545,6 @@ shape {:?} strides {:?}",
             _ => unreachable!("not a host step"),
         }
         Ok(())
-    }
-}
-
-/// Attention's shapes from its `[B, H, S, D]` query and `[B, Hkv, S, D]` key views.
-pub(crate) fn attention_dims(
-    q: &View,
-    k: &View,
-    causal: bool,
-    scale: f64,
-) -> Result<attention::Dims, RuntimeError> {
-    match (q.shape.as_slice(), k.shape.as_slice()) {
-        (&[b, h, s, d], &[_, hkv, _, _]) if hkv > 0 && h % hkv == 0 => Ok(attention::Dims {
-            batch: b,
-            heads: h,
-            kv_heads: hkv,
-            seq: s,
-            head_dim: d,
-            causal,
-            scale: scale as f32,
-        }),
-        _ => Err(RuntimeError::Backend(format!(
-            "attention needs [B, H, S, D] queries and [B, Hkv, S, D] keys with Hkv dividing H, \
-got {:?} and {:?}",
-            q.shape, k.shape
-        ))),
     }
 }
 
@@ -623,12 +629,20 @@ fn check_index(x: f32, bound: usize, pos: usize) -> Result<usize, RuntimeError> 
 }
 
 impl Executor for CpuExecutor {
-    fn program(&self) -> &Program {
-        &self.program
+    fn graph(&self) -> &Graph {
+        &self.program.graph
+    }
+
+    fn program(&self) -> Option<&Program> {
+        Some(&self.program)
+    }
+
+    fn communicator(&self) -> &dyn Communicator {
+        self.comm.as_ref()
     }
 
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-        crate::check_input(&self.program, v, t)?;
+        check_input(&self.program, v, t)?;
         self.sync()?;
         let o = self.off(v);
         let arena = self.arena_mut();
@@ -692,67 +706,6 @@ impl Executor for CpuExecutor {
         let shown = if self.profile_each_step { 120 } else { 30 };
         Some(profile_report(self.profile.as_mut()?, shown))
     }
-}
-
-/// One profile entry: what (`profile_key`), time, launches, FLOPs per launch.
-pub(crate) type ProfileEntry = (String, Duration, usize, f64);
-
-/// The profile, slowest entries first, `shown` of them.
-pub(crate) fn profile_report(p: &mut [ProfileEntry], shown: usize) -> String {
-    p.sort_by_key(|e| std::cmp::Reverse(e.1));
-    let total: Duration = p.iter().map(|e| e.1).sum();
-    let mut out = format!(
-        "profile over all runs but the first (each step waited for): {:.3}s\n",
-        total.as_secs_f64()
-    );
-    for (k, d, n, flops) in p.iter().take(shown) {
-        let rate = if *flops > 0.0 {
-            format!(
-                "  {:.0} GFLOP/s",
-                flops * *n as f64 / d.as_secs_f64().max(1e-12) / 1e9
-            )
-        } else {
-            String::new()
-        };
-        out += &format!(
-            "  {:>8.3}s {:>5.1}% {:>7} launches  {k}{rate}\n",
-            d.as_secs_f64(),
-            100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12),
-            n
-        );
-    }
-    out
-}
-
-/// Groups steps for the profile: matmuls by shape and operand layout (with their FLOPs, so
-/// the report can give GFLOP/s), other steps by kind and size class.
-pub(crate) fn profile_key(p: &Program, s: &Step) -> (String, f64) {
-    if let Step::Matmul {
-        a,
-        b,
-        batch,
-        m,
-        n,
-        k,
-        ..
-    } = s
-    {
-        // A view is read transposed when its rows are not contiguous.
-        let t = |v: &View| if v.strides[2] == 1 { "" } else { "^T" };
-        let flops = 2.0 * (*batch * *m * *n * *k) as f64;
-        return (
-            format!("matmul [{batch}] {m}x{k}{} @ {k}x{n}{}", t(a), t(b)),
-            flops,
-        );
-    }
-    let n = p.graph.ty(s.writes()).numel();
-    let class = match n {
-        0..=4095 => "<4K",
-        4096..=262_143 => "4K-256K",
-        262_144..=2_097_151 => "256K-2M",
-        _ => ">=2M",
-    };
-    (format!("{} {class} elems", s.kind()), 0.0)
 }
 
 impl CpuExecutor {

@@ -6,42 +6,9 @@
 //! `sin` cast to f32), and each output is `x1·cos - x2·sin` or `x1·sin + x2·cos` in f32, two
 //! roundings for the products and one for the sum, as the decomposed kernels do.
 
-use crate::pool::{Pool, TaskPtr};
+use super::pool::{Pool, TaskPtr};
+use crate::shared::rope_tables::Tables;
 use graphtrain_ir::RopeLayout;
-
-/// The `[S, D/2]` cos and sin tables.
-pub struct Tables {
-    pub(crate) cos: Vec<f32>,
-    pub(crate) sin: Vec<f32>,
-}
-
-/// What tells two steps' tables apart: theta's bits, sequence length, head dim, inverse.
-pub type TableKey = (u64, usize, usize, bool);
-
-impl Tables {
-    /// The key of the tables `new` builds from the same arguments.
-    pub fn key(theta: f64, seq: usize, head_dim: usize, inverse: bool) -> TableKey {
-        (theta.to_bits(), seq, head_dim, inverse)
-    }
-
-    pub fn new(theta: f64, seq: usize, head_dim: usize, inverse: bool) -> Tables {
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(seq * half);
-        let mut sin = Vec::with_capacity(seq * half);
-        for pos in 0..seq {
-            for i in 0..half {
-                let freq = theta.powf(i as f64 * (-2.0 / head_dim as f64));
-                let mut angle = pos as f64 * freq;
-                if inverse {
-                    angle = -angle;
-                }
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        Tables { cos, sin }
-    }
-}
 
 /// A rank-4 `[B, S, H, D]` input: element offset and strides.
 #[derive(Clone, Copy, Debug)]

@@ -7,7 +7,7 @@
 //! logits plus a one-hot, and AdamW one launch per output per parameter. Each kernel here is one
 //! pass (two or three for the reductions) with nothing of that size stored.
 //!
-//! Like `device_kernels.rs`, every kernel addresses the one arena buffer with element offsets
+//! Like `kernels.rs`, every kernel addresses the one arena buffer with element offsets
 //! passed at launch, and unit `u` of `U` takes outputs `u, u + U, ...`. Operands are strided
 //! views (offset plus one stride per dim), so a transpose feeding a composite is read in place.
 //! Some kernels need room of their own: the rope angle tables and the per-row statistics of

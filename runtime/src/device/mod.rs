@@ -1,14 +1,14 @@
 //! The device backends, `wgpu` and `cuda`: a Program run on a GPU through cubecl. One arena
 //! buffer in device memory holds every value, as on the cpu backend.
 //!
-//! - Map, copy and reduce steps launch the cpu backend's kernels (`kernels.rs`, through
-//!   `launches.rs`) at vector width 4 over a grid of 64-unit cubes;
-//! - matmul, gather and scatter-add launch `device_kernels.rs`; gather and scatter-add are
+//! - Map, copy and reduce steps launch the shared kernels (`shared/kernels.rs`, through
+//!   `shared/launches.rs`) at vector width 4 over a grid of 64-unit cubes;
+//! - matmul, gather and scatter-add launch `kernels.rs`; gather and scatter-add are
 //!   preceded by an index check whose flag is read back before the step runs, so a bad index is
 //!   an error naming the step and position, never a silent wrong value;
 //! - iota and random values are computed on the host and written into the arena;
 //! - the composites the lowering keeps as one step (attention and its backward, rope,
-//!   cross-entropy and its backward, AdamW) launch `device_composites.rs`. Their rope angle
+//!   cross-entropy and its backward, AdamW) launch `composites.rs`. Their rope angle
 //!   tables (written once at load) and the per-row statistics of their reductions (scratch that
 //!   every step reuses) live in the arena's tail, past the flag (`Tail`).
 //!
@@ -19,23 +19,27 @@
 //! Ordering: every launch queues on the client's one stream, in step order; reads and host
 //! writes go through the same stream, so each sees the launches before it.
 
-use crate::cpu::{profile_key, profile_report, ProfileEntry};
-use crate::device_composites::{
+pub mod composites;
+pub mod kernels;
+
+use crate::options::{Profile, RuntimeOptions};
+use crate::shared::attention_shape::{attention_dims, Dims};
+use crate::shared::kernel_call::grid;
+use crate::shared::launches::{Grid, Launches};
+use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
+use crate::shared::rope_tables::{TableKey, Tables};
+use crate::shared::{check_input, iota_value, random_value};
+use crate::{Communicator, Executor, RuntimeError};
+use composites::{
     adamw_kernel, attention_dq_kernel, attention_kernel, attention_kv_backward_kernel,
     cross_entropy_backward_kernel, cross_entropy_rows_kernel, mean_kernel, rope_kernel,
     AttentionShapeLaunch, Heads4Launch,
 };
-use crate::device_kernels::{
-    check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel,
-};
-use crate::launches::{Grid, Launches};
-use crate::replay::grid;
-use crate::rope::{TableKey, Tables};
-use crate::{Executor, RuntimeError};
 use cubecl::prelude::*;
-use graphtrain_ir::{HostTensor, ValueId};
+use graphtrain_ir::{Graph, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
+use kernels::{check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -122,14 +126,20 @@ pub struct DeviceExecutor {
     len: usize,
     /// What lies past the flag, and the buffer's size in elements.
     tail: Tail,
-    /// With `GRAPHTRAIN_PROFILE` set, every step is waited for and timed (after the first run,
+    /// With a `Profile` asked for, every step is waited for and timed (after the first run,
     /// which compiles the kernels).
     profile: Option<Vec<ProfileEntry>>,
     runs: usize,
+    comm: Box<dyn Communicator>,
 }
 
 impl DeviceExecutor {
-    pub fn new(program: Program, kind: DeviceKind) -> Result<Self, RuntimeError> {
+    pub fn new(
+        program: Program,
+        kind: DeviceKind,
+        options: RuntimeOptions,
+        comm: Box<dyn Communicator>,
+    ) -> Result<Self, RuntimeError> {
         let device = kind.device()?;
         let client = open(&device, kind)?;
         // Whole vectors, plus one vector holding the index-check flag, then the tail.
@@ -157,8 +167,9 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             arena,
             len,
             tail,
-            profile: std::env::var_os("GRAPHTRAIN_PROFILE").map(|_| Vec::new()),
+            profile: (options.profile != Profile::Off).then(Vec::new),
             runs: 0,
+            comm,
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -433,7 +444,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             }
             Step::Iota { out, inner, dim } => {
                 let n = g.ty(*out).numel();
-                let values: Vec<f32> = (0..n).map(|i| crate::iota_value(i, *inner, *dim)).collect();
+                let values: Vec<f32> = (0..n).map(|i| iota_value(i, *inner, *dim)).collect();
                 self.write_floats(self.off(*out), &values);
             }
             Step::Random {
@@ -445,7 +456,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 let n = g.ty(*out).numel();
                 let seed = self.read_floats(self.off(*seed), 1)?[0];
                 let values: Vec<f32> = (0..n)
-                    .map(|i| crate::random_value(seed, *stream, *normal, i))
+                    .map(|i| random_value(seed, *stream, *normal, i))
                     .collect();
                 self.write_floats(self.off(*out), &values);
             }
@@ -529,7 +540,7 @@ and {n} targets",
         })
     }
 
-    /// Runs a composite step on `device_composites.rs`'s kernels.
+    /// Runs a composite step on `composites.rs`'s kernels.
     fn run_composite(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
         let scratch = self.tail.scratch;
         match step {
@@ -716,7 +727,7 @@ and {n} targets",
                 causal,
                 scale,
             } => {
-                let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
+                let d = attention_dims(q, k, *causal, *scale)?;
                 let q4 = self.view4(q, "attention's queries")?;
                 let k4 = self.view4(k, "attention's keys")?;
                 let v4 = self.view4(v, "attention's values")?;
@@ -754,7 +765,7 @@ and {n} targets",
                 causal,
                 scale,
             } => {
-                let d = crate::cpu::attention_dims(q, k, *causal, *scale)?;
+                let d = attention_dims(q, k, *causal, *scale)?;
                 let q4 = self.view4(q, "attention's queries")?;
                 let k4 = self.view4(k, "attention's keys")?;
                 let v4 = self.view4(v, "attention's values")?;
@@ -810,7 +821,7 @@ and {n} targets",
 }
 
 /// The attention kernels' shape for `d`.
-fn attention_shape(d: &crate::attention::Dims) -> AttentionShapeLaunch {
+fn attention_shape(d: &Dims) -> AttentionShapeLaunch {
     AttentionShapeLaunch::new(
         d.heads,
         d.heads / d.kv_heads,
@@ -952,12 +963,20 @@ fn padded_dims(
 }
 
 impl Executor for DeviceExecutor {
-    fn program(&self) -> &Program {
-        &self.program
+    fn graph(&self) -> &Graph {
+        &self.program.graph
+    }
+
+    fn program(&self) -> Option<&Program> {
+        Some(&self.program)
+    }
+
+    fn communicator(&self) -> &dyn Communicator {
+        self.comm.as_ref()
     }
 
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
-        crate::check_input(&self.program, v, t)?;
+        check_input(&self.program, v, t)?;
         let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
         self.write_floats(self.off(v), &data);
         Ok(())

@@ -1,4 +1,4 @@
-//! The cubecl kernels the cpu backend launches. Every kernel addresses the one arena buffer with
+//! The cubecl kernels the cpu and device backends launch. Every kernel addresses the one arena buffer with
 //! element (or vector) offsets passed at launch, so a Program binds one buffer for all its
 //! launches, and a new offset never means a new JIT compile: only the comptime arguments (the
 //! fused expression, which inputs are broadcast) and the vector width pick a compiled kernel.

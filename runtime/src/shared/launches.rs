@@ -3,11 +3,11 @@
 //! device backends launch the same kernels (`kernels.rs`) from these; they differ only in their
 //! `Grid`.
 
-use crate::kernels::{
+use crate::shared::kernel_call::KernelCall;
+use crate::shared::kernels::{
     GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT, REDUCE_HALVES,
     REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
 };
-use crate::replay::KernelCall;
 use crate::RuntimeError;
 use graphtrain_ir::ValueId;
 use graphtrain_lowering::program::collapse;

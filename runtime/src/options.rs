@@ -1,0 +1,56 @@
+//! Settings an executor is given when it loads, instead of reading them from the process: each
+//! rank of a run, each candidate of a search, gets its own. The CLI may fill them from
+//! environment variables; nothing below it reads the environment.
+
+pub use crate::cpu::gemm::GemmKernel;
+
+/// How an executor times its steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Profile {
+    /// Steps are not waited for one by one (the fast path).
+    #[default]
+    Off,
+    /// Every step is waited for and timed, grouped by kind: slower, for finding where the time
+    /// goes.
+    ByKind,
+    /// As `ByKind`, with every step other than a matmul on its own line, with what it does.
+    EachStep,
+}
+
+impl Profile {
+    /// `1` (or any other value) times by kind, `steps` each step: the values of the CLI's
+    /// `GRAPHTRAIN_PROFILE`.
+    pub fn from_setting(value: &str) -> Profile {
+        if value == "steps" {
+            Profile::EachStep
+        } else {
+            Profile::ByKind
+        }
+    }
+}
+
+/// What a loaded step may use and how it reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuntimeOptions {
+    pub profile: Profile,
+    /// Which GEMM kernel the cpu backend runs (the widest the cpu has by default; narrower ones
+    /// for benchmarking them).
+    pub gemm_kernel: GemmKernel,
+    /// Host memory a new allocation may use, instead of the OS's estimate of what is available
+    /// (to share a machine, or to try the does-not-fit path).
+    pub memory_limit_bytes: Option<usize>,
+}
+
+impl RuntimeOptions {
+    /// Host memory a new allocation may use: the limit when one is set, else the OS's estimate
+    /// of available memory (Linux `MemAvailable`); `None` when neither is known.
+    pub fn available_memory_bytes(&self) -> Option<usize> {
+        if let Some(limit) = self.memory_limit_bytes {
+            return Some(limit);
+        }
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib << 10)
+    }
+}

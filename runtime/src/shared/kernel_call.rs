@@ -1,0 +1,293 @@
+//! `KernelCall`: one launch of a shared kernel (`kernels.rs`) with every argument resolved,
+//! as `launches.rs` computes it for a step. Every backend can dispatch it through cubecl
+//! (`dispatch`); the cpu backend can also bind it once and replay it (`cpu/replay.rs`), for
+//! which it hands out the kernel object cubecl would compile (`kernel`) and the key that tells
+//! kernels apart (`key`).
+
+use crate::shared::kernels::{copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel};
+use crate::RuntimeError;
+use cubecl::prelude::*;
+use cubecl::CubeKernel;
+use graphtrain_lowering::Expr;
+
+/// The arena's base alignment, which the kernels are compiled for (cubecl-cpu compiles a launch
+/// whose buffers start at their allocation for its storage alignment, 64 bytes).
+pub(crate) const ARENA_ALIGN: u32 = 64;
+
+/// Calls `f(pre.., args[0], .., args[N - 1], post..)`: the launch and the kernel-object
+/// constructors take the scalar arguments one by one, in the kernel's parameter order.
+macro_rules! spread {
+    ($f:path, [$($pre:expr),*], $args:ident[0..18], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [$($post),*])
+    };
+    ($f:path, [$($pre:expr),*], $args:ident[0..14], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [$($post),*])
+    };
+    ($f:path, [$($pre:expr),*], $args:ident[0..12], [$($post:expr),*]) => {
+        spread!(@call $f, [$($pre),*], $args, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [$($post),*])
+    };
+    (@call $f:path, [$($pre:expr),*], $args:ident, [$($i:literal),*], [$($post:expr),*]) => {
+        $f($($pre,)* $($args[$i],)* $($post),*)
+    };
+}
+
+/// Cubes and units per cube for a launch of `units` units: one cube of up to 256 units (every
+/// cpu launch: a unit is a worker thread), else cubes of 64 (`units` is then a multiple of 64).
+pub fn grid(units: u32) -> (CubeCount, CubeDim) {
+    if units <= 256 {
+        (CubeCount::Static(1, 1, 1), CubeDim::new_1d(units))
+    } else {
+        (CubeCount::Static(units / 64, 1, 1), CubeDim::new_1d(64))
+    }
+}
+
+/// One kernel launch, fully resolved. The scalar arguments are in the kernel's parameter order
+/// (see `kernels.rs`).
+#[derive(Clone, Debug)]
+pub enum KernelCall {
+    Map {
+        width: usize,
+        units: u32,
+        modes: u32,
+        expr: Expr,
+        args: [usize; 18],
+    },
+    Copy {
+        units: u32,
+        args: [usize; 14],
+    },
+    /// `width` 1: `reduce_kernel`; wider: `reduce_cols_kernel` at that vector width (never
+    /// with `rows`), every argument in vectors.
+    Reduce {
+        width: usize,
+        units: u32,
+        is_max: bool,
+        rows: bool,
+        args: [usize; 12],
+    },
+}
+
+/// What picks a compiled kernel: the comptime arguments, the vector width and the cube dim.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) enum KernelKey {
+    Map {
+        width: usize,
+        units: u32,
+        modes: u32,
+        expr: Expr,
+    },
+    Copy {
+        units: u32,
+    },
+    Reduce {
+        width: usize,
+        units: u32,
+        is_max: bool,
+        rows: bool,
+    },
+}
+
+impl KernelCall {
+    pub(crate) fn key(&self) -> KernelKey {
+        match self {
+            KernelCall::Map {
+                width,
+                units,
+                modes,
+                expr,
+                ..
+            } => KernelKey::Map {
+                width: *width,
+                units: *units,
+                modes: *modes,
+                expr: expr.clone(),
+            },
+            KernelCall::Copy { units, .. } => KernelKey::Copy { units: *units },
+            KernelCall::Reduce {
+                width,
+                units,
+                is_max,
+                rows,
+                ..
+            } => KernelKey::Reduce {
+                width: *width,
+                units: *units,
+                is_max: *is_max,
+                rows: *rows,
+            },
+        }
+    }
+
+    pub(crate) fn units(&self) -> u32 {
+        match self {
+            KernelCall::Map { units, .. }
+            | KernelCall::Copy { units, .. }
+            | KernelCall::Reduce { units, .. } => *units,
+        }
+    }
+
+    pub(crate) fn scalars(&self) -> &[usize] {
+        match self {
+            KernelCall::Map { args, .. } => args,
+            KernelCall::Copy { args, .. } => args,
+            KernelCall::Reduce { args, .. } => args,
+        }
+    }
+
+    /// Elements of the bound buffer, in the kernel's element type (vectors for a map).
+    pub(crate) fn buffer_len(&self, arena_elems: usize) -> usize {
+        match self {
+            KernelCall::Map { width, .. } | KernelCall::Reduce { width, .. } => arena_elems / width,
+            KernelCall::Copy { .. } => arena_elems,
+        }
+    }
+
+    /// Every scalar argument fits the kernels' 32-bit addressing (cubecl would panic on one that
+    /// does not).
+    pub fn check_addressing(&self) -> Result<(), RuntimeError> {
+        match self.scalars().iter().find(|&&s| u32::try_from(s).is_err()) {
+            None => Ok(()),
+            Some(s) => Err(RuntimeError::Backend(format!(
+                "kernel argument {s} does not fit the 32-bit addressing of the cpu kernels ({self:?})"
+            ))),
+        }
+    }
+
+    /// Queues the launch through cubecl's launch path.
+    ///
+    /// # Safety
+    /// Every offset the arguments name must lie inside the arena (the planner sized it).
+    pub unsafe fn dispatch(
+        &self,
+        client: &Client,
+        arena: &cubecl::server::Handle,
+        arena_elems: usize,
+    ) {
+        let (count, dim) = grid(self.units());
+        let buffer = BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems));
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match self {
+                KernelCall::Map {
+                    width,
+                    units: _,
+                    modes,
+                    expr,
+                    args,
+                } => spread!(
+                    map_kernel::launch_unchecked,
+                    [client, count, dim, *width, buffer],
+                    args[0..18],
+                    [*modes, expr.clone()]
+                ),
+                KernelCall::Copy { args, .. } => spread!(
+                    copy_kernel::launch_unchecked,
+                    [client, count, dim, buffer],
+                    args[0..14],
+                    []
+                ),
+                KernelCall::Reduce {
+                    width: 1,
+                    units: _,
+                    is_max,
+                    rows,
+                    args,
+                } => spread!(
+                    reduce_kernel::launch_unchecked,
+                    [client, count, dim, buffer],
+                    args[0..12],
+                    [*is_max, *rows]
+                ),
+                KernelCall::Reduce {
+                    width,
+                    units: _,
+                    is_max,
+                    args,
+                    ..
+                } => spread!(
+                    reduce_cols_kernel::launch_unchecked,
+                    [client, count, dim, *width, buffer],
+                    args[0..12],
+                    [*is_max]
+                ),
+            }
+        }
+    }
+
+    /// The kernel object the same launch would hand to the server, for compiling it ourselves:
+    /// the macro-generated `create_dummy_kernel` registers the arguments exactly as
+    /// `launch_unchecked` does.
+    pub(crate) fn kernel(
+        &self,
+        client: &Client,
+        arena: &cubecl::server::Handle,
+        arena_elems: usize,
+    ) -> Box<dyn CubeKernel> {
+        let (props, target) = (
+            client.properties_shared(),
+            client.target_properties_shared(),
+        );
+        let count = CubeCount::Static(1, 1, 1);
+        // SAFETY: the buffer is only used to compile the kernel; nothing is launched with it.
+        let buffer =
+            unsafe { BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems)) };
+        match self {
+            KernelCall::Map {
+                width,
+                units,
+                modes,
+                expr,
+                args,
+            } => Box::new(spread!(
+                map_kernel::create_dummy_kernel,
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    *width,
+                    buffer
+                ],
+                args[0..18],
+                [*modes, expr.clone()]
+            )),
+            KernelCall::Copy { units, args } => Box::new(spread!(
+                copy_kernel::create_dummy_kernel,
+                [props, target, count, CubeDim::new_1d(*units), buffer],
+                args[0..14],
+                []
+            )),
+            KernelCall::Reduce {
+                width: 1,
+                units,
+                is_max,
+                rows,
+                args,
+            } => Box::new(spread!(
+                reduce_kernel::create_dummy_kernel,
+                [props, target, count, CubeDim::new_1d(*units), buffer],
+                args[0..12],
+                [*is_max, *rows]
+            )),
+            KernelCall::Reduce {
+                width,
+                units,
+                is_max,
+                args,
+                ..
+            } => Box::new(spread!(
+                reduce_cols_kernel::create_dummy_kernel,
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    *width,
+                    buffer
+                ],
+                args[0..12],
+                [*is_max]
+            )),
+        }
+    }
+}
