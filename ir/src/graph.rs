@@ -81,8 +81,6 @@ pub struct Tags {
     pub bucket: Option<u32>,
     pub stream: Option<u32>,
     pub region: Option<u32>,
-    /// Fusion group: nodes with the same group lower to one kernel.
-    pub fusion: Option<u32>,
 }
 
 /// Per-node metadata that almost every pass needs.

@@ -381,12 +381,7 @@ impl Gen {
                     .pick(&[Remat::Save, Remat::Recompute, Remat::Offload]),
             );
         }
-        for tag in [
-            &mut tags.bucket,
-            &mut tags.stream,
-            &mut tags.region,
-            &mut tags.fusion,
-        ] {
+        for tag in [&mut tags.bucket, &mut tags.stream, &mut tags.region] {
             if self.rng.chance(25) {
                 *tag = Some(self.rng.pick(&[0, 1, 5, u32::MAX]));
             }

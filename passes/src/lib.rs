@@ -17,7 +17,6 @@ pub mod capture;
 pub mod cse;
 pub mod dce;
 pub mod egraph;
-pub mod fusion;
 pub mod offload;
 pub mod remat;
 
@@ -34,7 +33,6 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     cse::register(r);
     dce::register(r);
     egraph::register(r);
-    fusion::register(r);
     offload::register(r);
     remat::register(r);
 }

@@ -1,11 +1,10 @@
-//! The tagging passes (`fusion`, `capture`) on the real `tiny` Llama 3 train step: their outputs
-//! verify, compute bitwise the same numbers on the reference interpreter, and carry valid tags.
+//! The tagging pass `capture` on the real `tiny` Llama 3 train step: its output verifies,
+//! computes bitwise the same numbers on the reference interpreter, and carries valid tags.
 
 use graphtrain_ir::optim::{build_train_step, OptimConfig};
-use graphtrain_ir::{verify, DType, Graph, Op};
+use graphtrain_ir::{verify, DType, Graph};
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::capture::Capture;
-use graphtrain_passes::fusion::{validate_groups, Fusion};
 use graphtrain_passes::testing::compare_numerics;
 use graphtrain_passes::{Pass, PassReport, Tier};
 
@@ -48,40 +47,6 @@ fn metric(report: &PassReport, name: &str) -> f64 {
 }
 
 #[test]
-fn fusion_on_the_tiny_train_step() {
-    let before = tiny_train_step();
-    let (after, report) = run_checked(&Fusion::default(), &before);
-    validate_groups(&after).expect("valid groups");
-
-    let groups = metric(&report, "fusion_groups") as usize;
-    let fused = metric(&report, "fused_nodes") as usize;
-    println!(
-        "fusion: {groups} group(s), {fused} of {} node(s) fused, {} decline(s)",
-        after.nodes.len(),
-        report.declined.len()
-    );
-    // The SiLU backward chains and the grad-norm sum of squares are the obvious groups.
-    assert!(groups >= 4, "{report}");
-    let tagged: Vec<u32> = after
-        .nodes
-        .iter()
-        .filter_map(|n| n.meta.tags.fusion)
-        .collect();
-    assert_eq!(tagged.len(), fused);
-    let max_id = tagged.iter().copied().max().expect("some group");
-    assert_eq!(max_id as usize + 1, groups, "ids are dense");
-    // Matmuls and composites keep their own kernels.
-    for n in &after.nodes {
-        if matches!(n.op, Op::Matmul) || n.op.is_composite() {
-            assert_eq!(n.meta.tags.fusion, None, "{}", n.op.name());
-        }
-    }
-    // Running it again on its own output changes nothing.
-    let (again, _) = run_checked(&Fusion::default(), &after);
-    assert_eq!(again, after);
-}
-
-#[test]
 fn capture_on_the_tiny_train_step() {
     let before = tiny_train_step();
     let (after, report) = run_checked(&Capture::default(), &before);
@@ -108,15 +73,4 @@ fn capture_on_the_tiny_train_step() {
         let excluded = n.meta.module == "optim.clip_grad_norm";
         assert_eq!(n.meta.tags.region.is_none(), excluded, "{}", n.meta.module);
     }
-}
-
-#[test]
-fn fusion_then_capture_keeps_both_tags() {
-    let before = tiny_train_step();
-    let (fused, _) = run_checked(&Fusion::default(), &before);
-    let (both, _) = run_checked(&Capture::default(), &fused);
-    for (a, b) in fused.nodes.iter().zip(&both.nodes) {
-        assert_eq!(a.meta.tags.fusion, b.meta.tags.fusion);
-    }
-    validate_groups(&both).expect("valid groups");
 }

@@ -4,10 +4,10 @@
 //! `silu-expand` rewrites `silu(x)` as `mul(x, sigmoid(x))`.
 //!
 //! Changes: every `silu` node becomes a `sigmoid` node followed by a `mul` node, both with the
-//! silu's metadata (module, phase, layer and tags, so a fusion group or remat policy covers both);
+//! silu's metadata (module, phase, layer and tags, so a capture region or remat policy covers both);
 //! every later use reads the `mul`. Other nodes, inputs and outputs are kept, values renumbered
-//! canonically. Why: a backend without a silu kernel then needs only sigmoid and mul, and the
-//! fusion pass sees two primitives it can group.
+//! canonically. Why: a backend without a silu kernel then needs only sigmoid and mul, which the
+//! lowering can fuse into one kernel.
 //! Guarantees: tier 2. `x * sigmoid(x)` rounds the sigmoid before the product, where `silu`
 //! rounds once, so results differ in the last bits; `testing::check` holds it to the tier-2
 //! tolerance. The output verifies.

@@ -15,8 +15,8 @@ fn expands_silu_and_keeps_metadata() {
         "graph g {
   input %x: f32[2,8]
   input %u: f32[2,8]
-  %2: f32[2,8] = silu(%x)  # fwd layers.0.feed_forward fuse=3
-  %3: f32[2,8] = mul(%2, %u)  # fwd layers.0.feed_forward fuse=3
+  %2: f32[2,8] = silu(%x)  # fwd layers.0.feed_forward region=3
+  %3: f32[2,8] = mul(%2, %u)  # fwd layers.0.feed_forward region=3
   %4: f32[2,8] = silu(%3)  # bwd layers.0.feed_forward remat=recompute
   output y = %4
   output s = %2

@@ -22,7 +22,7 @@
 //! - A node line lists its outputs with their types, the op name, the operands and then the
 //!   attributes in [`Op::attrs`](crate::op::Op::attrs) order. After `#` comes the metadata: the phase (`fwd`, `loss`,
 //!   `bwd`, `opt`), the module path if any, then the tags `layer=N`, `remat=save|recompute|offload`,
-//!   `bucket=N`, `stream=N`, `region=N`, `fuse=N`. `layer=` is only written when the layer differs from the
+//!   `bucket=N`, `stream=N`, `region=N`. `layer=` is only written when the layer differs from the
 //!   one the module path implies ([`layer_from_module`]); `layer=none` says there is none.
 //! - `output NAME = %v` names a result; `donates %input` marks an in-place update.
 //! - `//` starts a comment; blank lines are ignored.
@@ -128,7 +128,6 @@ fn write_meta(out: &mut impl Write, meta: &Meta) -> fmt::Result {
         ("bucket", tags.bucket),
         ("stream", tags.stream),
         ("region", tags.region),
-        ("fuse", tags.fusion),
     ] {
         if let Some(n) = tag {
             write!(out, " {key}={n}")?;

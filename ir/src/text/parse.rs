@@ -427,13 +427,12 @@ impl<'a> Line<'a> {
                 "bucket" => meta.tags.bucket = Some(number("a bucket index")?),
                 "stream" => meta.tags.stream = Some(number("a stream index")?),
                 "region" => meta.tags.region = Some(number("a region index")?),
-                "fuse" => meta.tags.fusion = Some(number("a fusion group index")?),
                 _ => {
                     return Err(self.error(
                         col,
                         format!(
-                        "unknown tag `{key}` (known: layer, remat, bucket, stream, region, fuse)"
-                    ),
+                            "unknown tag `{key}` (known: layer, remat, bucket, stream, region)"
+                        ),
                     ))
                 }
             }
