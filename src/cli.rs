@@ -283,7 +283,7 @@ fn positive_gflops(s: &str) -> Result<f64, String> {
 }
 
 /// A trainer built from the shared flags, with what went into it.
-struct Session {
+struct Setup {
     /// Resident memory just before the step was loaded onto its backend.
     rss_before_load: Option<usize>,
     cfg: Llama3Config,
@@ -337,12 +337,12 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
 
 impl TrainArgs {
     /// Validates the flags, builds the step through the pipeline and initializes the trainer.
-    fn session(&self, registry: &Registry) -> Result<Session, String> {
-        self.session_with(self.passes.pipeline(registry)?)
+    fn setup(&self, registry: &Registry) -> Result<Setup, String> {
+        self.setup_with(self.passes.pipeline(registry)?)
     }
 
-    /// `session` with another pipeline than the flags give.
-    fn session_with(&self, pipeline: Pipeline) -> Result<Session, String> {
+    /// `setup` with another pipeline than the flags give.
+    fn setup_with(&self, pipeline: Pipeline) -> Result<Setup, String> {
         let cfg = model_config(&self.model)?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return Err(format!("--lr must be a positive number, got {}", self.lr));
@@ -371,7 +371,7 @@ impl TrainArgs {
         .map_err(|e| e.to_string())?;
         let rss_before_load = trainer.rss_before_load;
         let load_time = trainer.timings.lower + trainer.timings.load;
-        Ok(Session {
+        Ok(Setup {
             rss_before_load,
             cfg,
             optim,
@@ -632,12 +632,12 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
-    let Session {
+    let Setup {
         cfg,
         optim,
         mut trainer,
         ..
-    } = a.train.session(registry)?;
+    } = a.train.setup(registry)?;
     let run_id = RunIdentity::new(&cfg, a.train.seed, a.train.data, &optim);
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
@@ -747,12 +747,12 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     if let Some(against) = &a.against {
         return bench_paired(&a, against, registry);
     }
-    let Session {
+    let Setup {
         mut trainer,
         load_time,
         rss_before_load,
         ..
-    } = a.train.session(registry)?;
+    } = a.train.setup(registry)?;
     let t_plan = Instant::now();
     let plan = match trainer.program() {
         Some(p) => p.plan.clone(),
@@ -851,8 +851,8 @@ fn bench_paired(a: &BenchArgs, against: &str, registry: &Registry) -> Result<(),
         Some(file) => file.display().to_string(),
         None => a.train.passes.passes.clone(),
     };
-    let mut baseline = a.train.session(registry)?.trainer;
-    let mut candidate = a.train.session_with(candidate_pipeline)?.trainer;
+    let mut baseline = a.train.setup(registry)?.trainer;
+    let mut candidate = a.train.setup_with(candidate_pipeline)?.trainer;
     let s = crate::bench::paired(
         &mut baseline,
         &mut candidate,

@@ -4,7 +4,7 @@
 //!
 //! This machine's speed drifts by up to 1.5x within seconds (a shared host: a register-only FMA
 //! loop measured 92-153 GFLOP/s per core within a minute), so compare two builds by alternating
-//! them several times, and compare with `torch.matmul` in the same sitting
+//! them several times, and compare with `torch.matmul` in the same run of measurements
 //! (docs/benchmarks.md).
 
 use graphtrain_runtime::cpu::gemm::{sgemm, Layout};
