@@ -12,6 +12,9 @@
 //! - mul_scalar(x, 1.0)                → x              (x·1 = x exactly)
 //! - add_scalar(x, -0.0)               → x              (x + -0 = x exactly; x + +0 is not: -0 + 0 = +0)
 //!
+//! The rules' conditions and results live in `crate::rules`, which `egraph` draws on too; this
+//! file walks the graph and applies them.
+//!
 //! Guarantees: tier 1 (layout ops move elements without arithmetic; the two scalar rules are exact
 //! in IEEE arithmetic). Inner nodes of folded chains are left for `dce` when nothing else reads
 //! them. Declines to fold a chain from a backward recompute copy (`remat=recompute`, made by
@@ -20,7 +23,8 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::{is_recompute_copy, rebuild, Substitution};
+use crate::rules::{cast, layout, scalar, Outcome};
+use crate::substitute::{is_recompute_copy, rebuild, Substitution};
 use graphtrain_ir::{Graph, Node, Op, ValueId};
 
 pub const INFO: PassInfo = PassInfo {
@@ -42,15 +46,15 @@ pub fn register(r: &mut Registry) {
 
 pub struct Canonicalize;
 
-/// What a rule decided for one node.
-enum Rewrite {
-    /// The node's single output equals this value.
-    Forward(ValueId),
-    /// The node becomes this op on these operands.
-    Replace(Op, Vec<ValueId>),
-}
-
-fn rule(g: &Graph, producer: &[Option<usize>], nodes: &[Node], n: &Node) -> Option<Rewrite> {
+/// The first rule that applies to `n` (its operands already substituted), in the order the
+/// contract lists them; the rules themselves are in `crate::rules`.
+fn rule(
+    g: &Graph,
+    producer: &[Option<usize>],
+    nodes: &[Node],
+    n: &Node,
+) -> Option<Outcome<ValueId>> {
+    let op = &n.op;
     let x = *n.inputs.first()?;
     let xt = g.ty(x);
     // A recompute copy (activation checkpointing) that folded through a forward node would read
@@ -58,48 +62,19 @@ fn rule(g: &Graph, producer: &[Option<usize>], nodes: &[Node], n: &Node) -> Opti
     let inner = producer[x.index()]
         .map(|i| &nodes[i])
         .filter(|m| !is_recompute_copy(n) || is_recompute_copy(m));
-    match &n.op {
-        Op::Reshape { shape } if *shape == xt.shape => Some(Rewrite::Forward(x)),
-        Op::Reshape { shape } => match inner.map(|m| (&m.op, m.inputs[0])) {
-            Some((Op::Reshape { .. }, src)) => Some(Rewrite::Replace(
-                Op::Reshape {
-                    shape: shape.clone(),
-                },
-                vec![src],
-            )),
-            _ => None,
-        },
-        Op::Transpose { perm } if perm.iter().enumerate().all(|(i, &p)| i == p) => {
-            Some(Rewrite::Forward(x))
-        }
-        Op::Transpose { perm: q } => match inner.map(|m| (&m.op, m.inputs[0])) {
-            Some((Op::Transpose { perm: p }, src)) => {
-                let composed: Vec<usize> = q.iter().map(|&j| p[j]).collect();
-                if composed.iter().enumerate().all(|(i, &c)| i == c) {
-                    Some(Rewrite::Forward(src))
-                } else {
-                    Some(Rewrite::Replace(
-                        Op::Transpose { perm: composed },
-                        vec![src],
-                    ))
-                }
-            }
-            _ => None,
-        },
-        Op::Expand { shape } if *shape == xt.shape => Some(Rewrite::Forward(x)),
-        Op::Slice {
-            axis,
-            start: 0,
-            end,
-        } if *end == xt.shape[*axis] => Some(Rewrite::Forward(x)),
-        Op::Concat { .. } if n.inputs.len() == 1 => Some(Rewrite::Forward(x)),
-        Op::Cast { dtype } if *dtype == xt.dtype => Some(Rewrite::Forward(x)),
-        Op::MulScalar { value } if *value == 1.0 => Some(Rewrite::Forward(x)),
-        Op::AddScalar { value } if *value == 0.0 && value.is_sign_negative() => {
-            Some(Rewrite::Forward(x))
-        }
-        _ => None,
-    }
+    let chain = |rule: fn(&Op, &Op, ValueId) -> Option<Outcome<ValueId>>| {
+        inner.and_then(|m| rule(op, &m.op, *m.inputs.first()?))
+    };
+    layout::reshape_identity(op, x, xt)
+        .or_else(|| chain(layout::reshape_chain))
+        .or_else(|| layout::transpose_identity(op, x))
+        .or_else(|| chain(layout::transpose_pair))
+        .or_else(|| layout::expand_identity(op, x, xt))
+        .or_else(|| layout::slice_full(op, x, xt))
+        .or_else(|| layout::concat_single(op, &n.inputs))
+        .or_else(|| cast::cast_identity(op, x, xt))
+        .or_else(|| scalar::mul_one(op, x))
+        .or_else(|| scalar::add_neg_zero(op, x))
 }
 
 impl Pass for Canonicalize {
@@ -123,14 +98,14 @@ impl Pass for Canonicalize {
                 *v = subst.get(*v);
             }
             match rule(g, &producer, &nodes, &n) {
-                Some(Rewrite::Forward(v)) => {
+                Some(Outcome::Forward(v)) => {
                     subst.set(n.outputs[0], v);
                     keep[i] = false;
                     forwarded += 1;
                 }
-                Some(Rewrite::Replace(op, inputs)) => {
+                Some(Outcome::Replace(op, v)) => {
                     n.op = op;
-                    n.inputs = inputs;
+                    n.inputs = vec![v];
                     folded += 1;
                 }
                 None => {}

@@ -11,7 +11,7 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::{is_recompute_copy, op_counts, rebuild, Substitution};
+use crate::substitute::{is_recompute_copy, op_counts, rebuild, Substitution};
 use graphtrain_ir::{Graph, ValueId};
 use std::collections::HashMap;
 

@@ -7,7 +7,7 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::{op_counts, rebuild, Substitution};
+use crate::substitute::{op_counts, rebuild, Substitution};
 use graphtrain_ir::{Graph, ValueId};
 
 pub const INFO: PassInfo = PassInfo {

@@ -5,7 +5,8 @@
 pub mod pass;
 pub mod pipeline;
 pub mod registry;
-pub mod rewrite;
+pub mod rules;
+pub mod substitute;
 pub mod testing;
 
 pub mod memory;

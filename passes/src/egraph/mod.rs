@@ -41,7 +41,7 @@ pub mod rules;
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use crate::rewrite::is_recompute_copy;
+use crate::substitute::is_recompute_copy;
 use analysis::{GraphAnalysis, EG};
 use egg::{Id, Language, Runner, StopReason};
 use extract::Origin;

@@ -9,16 +9,19 @@
 //!
 //! Rules whose right side is a fixed pattern are written in the rule-file syntax (`RULES_TIER1`,
 //! parsed by `rulefile.rs`, which also checks them); rules that compute attributes (composed
-//! permutations, folded constants) are native Rust functions.
+//! permutations, folded constants) are native Rust functions. The native layout and cast rules
+//! that `canonicalize` applies too only delegate: their conditions and results are written once,
+//! in `crate::rules`; this table keeps their names, topics, tiers and math.
 
 use super::analysis::EG;
 use super::lang::{op_of, GNode};
 use super::rule::{NativeFn, Rhs, Rule, RuleKind};
 use super::rulefile::parse_rules;
 use crate::pass::Tier;
+use crate::rules::{cast, layout, Outcome};
 use egg::Id;
 use graphtrain_ir::interp::round_to_dtype;
-use graphtrain_ir::{DType, Op};
+use graphtrain_ir::{DType, Op, TensorType};
 
 /// Pattern rules, tier 1.
 const RULES_TIER1: &str = "
@@ -217,114 +220,106 @@ fn constant(eg: &EG, id: Id) -> Option<(f64, DType)> {
     })
 }
 
-fn shape(eg: &EG, id: Id) -> Option<&[usize]> {
-    eg[id].data.tensor().map(|t| t.shape.as_slice())
+// ---- rules shared with `canonicalize`: their conditions and results are in `crate::rules`
+
+/// The replacement for a shared rule's outcome.
+fn rhs(outcome: Outcome<Id>) -> Rhs {
+    match outcome {
+        Outcome::Forward(x) => Rhs::Class(x),
+        Outcome::Replace(op, x) => Rhs::Node(op, vec![Rhs::Class(x)]),
+    }
 }
 
-fn is_identity(perm: &[usize]) -> bool {
-    perm.iter().enumerate().all(|(i, &p)| i == p)
+/// A shared rule that looks at the node's op and its operands.
+fn on_operands(n: &GNode, rule: impl Fn(&Op, &[Id]) -> Option<Outcome<Id>>) -> Vec<Rhs> {
+    parts(n)
+        .and_then(|(op, kids)| rule(&op, kids))
+        .map(rhs)
+        .into_iter()
+        .collect()
+}
+
+/// A shared rule that looks at a one-operand node's op and its operand.
+fn on_operand(n: &GNode, rule: impl Fn(&Op, Id) -> Option<Outcome<Id>>) -> Vec<Rhs> {
+    on_operands(n, |op, kids| match kids {
+        [x] => rule(op, *x),
+        _ => None,
+    })
+}
+
+/// A shared rule that also needs the operand's type (no rule when the operand is not a tensor).
+fn on_typed_operand(
+    eg: &EG,
+    n: &GNode,
+    rule: impl Fn(&Op, Id, &TensorType) -> Option<Outcome<Id>>,
+) -> Vec<Rhs> {
+    on_operand(n, |op, x| rule(op, x, eg[x].data.tensor()?))
+}
+
+/// A shared chain rule on a one-operand `root` node: one replacement per one-operand node of
+/// the operand's class that the rule accepts as the inner op.
+fn on_chain(
+    eg: &EG,
+    n: &GNode,
+    root: &str,
+    rule: impl Fn(&Op, &Op, Id) -> Option<Outcome<Id>>,
+) -> Vec<Rhs> {
+    if n.op_name() != Some(root) {
+        return vec![];
+    }
+    let Some((op, [x])) = parts(n) else {
+        return vec![];
+    };
+    ops_in(eg, *x)
+        .filter_map(|(inner, kids)| match kids.as_slice() {
+            [src] => rule(&op, &inner, *src).map(rhs),
+            _ => None,
+        })
+        .collect()
 }
 
 // ---- layout
 
 // transpose(x, identity) → x
 fn transpose_identity(_: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((Op::Transpose { perm }, [x])) if is_identity(&perm) => vec![Rhs::Class(*x)],
-        _ => vec![],
-    }
+    on_operand(n, layout::transpose_identity)
 }
 
 // transpose(transpose(x, p), q) → transpose(x, p∘q), or x when p∘q is the identity
 fn transpose_pair(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    let Some((Op::Transpose { perm: q }, [x])) = parts(n) else {
-        return vec![];
-    };
-    ops_in(eg, *x)
-        .filter_map(|(op, kids)| match (op, kids.as_slice()) {
-            (Op::Transpose { perm: p }, [src]) if p.len() == q.len() => {
-                // y[i] = t[q[i]] and t[j] = x[p[j]], so y[i] = x[p[q[i]]].
-                let composed: Vec<usize> = q.iter().map(|&j| p[j]).collect();
-                Some(if is_identity(&composed) {
-                    Rhs::Class(*src)
-                } else {
-                    Rhs::Node(Op::Transpose { perm: composed }, vec![Rhs::Class(*src)])
-                })
-            }
-            _ => None,
-        })
-        .collect()
+    on_chain(eg, n, "transpose", layout::transpose_pair)
 }
 
 // reshape(x, shape(x)) → x
 fn reshape_identity(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((Op::Reshape { shape: s }, [x])) if shape(eg, *x) == Some(&s) => {
-            vec![Rhs::Class(*x)]
-        }
-        _ => vec![],
-    }
+    on_typed_operand(eg, n, layout::reshape_identity)
 }
 
 // reshape(reshape(x, s1), s2) → reshape(x, s2)   (row-major order is kept by both)
 fn reshape_chain(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    let Some((Op::Reshape { shape: s2 }, [x])) = parts(n) else {
-        return vec![];
-    };
-    ops_in(eg, *x)
-        .filter_map(|(op, kids)| match (op, kids.as_slice()) {
-            (Op::Reshape { .. }, [src]) => Some(Rhs::Node(
-                Op::Reshape { shape: s2.clone() },
-                vec![Rhs::Class(*src)],
-            )),
-            _ => None,
-        })
-        .collect()
+    on_chain(eg, n, "reshape", layout::reshape_chain)
 }
 
 // expand(x, shape(x)) → x
 fn expand_identity(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((Op::Expand { shape: s }, [x])) if shape(eg, *x) == Some(&s) => vec![Rhs::Class(*x)],
-        _ => vec![],
-    }
+    on_typed_operand(eg, n, layout::expand_identity)
 }
 
 // slice(x, axis, 0, dim(x, axis)) → x
 fn slice_full(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((
-            Op::Slice {
-                axis,
-                start: 0,
-                end,
-            },
-            [x],
-        )) if shape(eg, *x).and_then(|s| s.get(axis)) == Some(&end) => {
-            vec![Rhs::Class(*x)]
-        }
-        _ => vec![],
-    }
+    on_typed_operand(eg, n, layout::slice_full)
 }
 
 // concat(x) → x
 fn concat_single(_: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((Op::Concat { .. }, [x])) => vec![Rhs::Class(*x)],
-        _ => vec![],
-    }
+    on_operands(n, layout::concat_single)
 }
 
 // ---- cast
 
 // cast(x, dtype(x)) → x
 fn cast_identity(eg: &EG, n: &GNode) -> Vec<Rhs> {
-    match parts(n) {
-        Some((Op::Cast { dtype }, [x])) if eg[*x].data.tensor().map(|t| t.dtype) == Some(dtype) => {
-            vec![Rhs::Class(*x)]
-        }
-        _ => vec![],
-    }
+    on_typed_operand(eg, n, cast::cast_identity)
 }
 
 /// Whether every value of `narrow` is exactly representable in `wide`.

@@ -1,5 +1,9 @@
-//! Small shared machinery for passes that rebuild a graph: a value substitution and a rebuild
-//! that drops nodes and renumbers canonically.
+//! Value substitution and graph rebuild, shared by the passes that drop or replace nodes
+//! (`canonicalize`, `cse`, `dce`): a replace-all-uses [`Substitution`], a [`rebuild`] that drops
+//! nodes and renumbers canonically, and [`op_counts`] for their reports; plus
+//! [`is_recompute_copy`], which every pass that merges or folds nodes (`egraph` included) asks
+//! before touching activation checkpointing's copies. Nothing here is the `rewrite` pass, which
+//! applies a rule file through the e-graph (`egraph/`).
 
 use graphtrain_ir::{Graph, Node, Phase, Remat, ValueId};
 
