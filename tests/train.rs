@@ -1,11 +1,15 @@
 //! Training on the reference interpreter: the loss falls on a fixed batch, runs are reproducible,
-//! and a diverging run stops with an error naming the step.
+//! and a diverging run stops with an error naming the step, keeping the last good state where
+//! the backend can.
 
+use graphtrain::checkpoint::RunIdentity;
 use graphtrain::data::DataMode;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
+use graphtrain_lowering::Mode;
+use graphtrain_runtime::Backend;
 
 fn trainer(data: DataMode, lr: f64) -> Trainer {
     let cfg = Llama3Config::builtin("tiny").unwrap();
@@ -70,4 +74,55 @@ fn a_diverging_run_stops_with_a_clear_error() {
         .expect("an lr of 1e30 must blow the loss up within 10 steps");
     assert!(err.0.contains("loss is"), "{err}");
     assert!(err.0.starts_with("step "), "{err}");
+}
+
+/// Steps `t` until one fails, and returns the error and how many steps succeeded.
+fn until_divergence(t: &mut Trainer) -> (String, u64) {
+    for done in 0..10 {
+        if let Err(e) = t.step() {
+            return (e.0, done);
+        }
+    }
+    panic!("an lr of 1e30 must blow the loss up within 10 steps");
+}
+
+fn run_identity(t: &Trainer) -> RunIdentity {
+    RunIdentity::new(&t.model, 0, DataMode::Fixed, &OptimConfig::default())
+}
+
+#[test]
+fn a_failed_step_on_the_interpreter_keeps_nothing_of_its_update() {
+    let mut failed = trainer(DataMode::Fixed, 1e30);
+    let (err, done) = until_divergence(&mut failed);
+    assert!(err.contains("stopping before the update is kept"), "{err}");
+    let after = failed
+        .checkpoint(run_identity(&failed))
+        .expect("the interpreter's state is the last good step's");
+    // The same run stopped before the failing step.
+    let mut good = trainer(DataMode::Fixed, 1e30);
+    for _ in 0..done {
+        good.step().unwrap();
+    }
+    let before = good.checkpoint(run_identity(&good)).unwrap();
+    assert_eq!(after.header.steps_done, done);
+    assert_eq!(after.tensors.len(), before.tensors.len());
+    let bits = |t: &graphtrain::ir::HostTensor| -> Vec<u64> {
+        t.data.iter().map(|x| x.to_bits()).collect()
+    };
+    for (a, b) in after.tensors.iter().zip(&before.tensors) {
+        assert!(bits(a) == bits(b), "a tensor changed in the failed step");
+    }
+}
+
+#[test]
+fn a_failed_step_on_a_compiled_backend_refuses_to_be_checkpointed() {
+    let mut t = trainer(DataMode::Fixed, 1e30);
+    t.use_backend(Backend::Cpu, Mode::Fused).unwrap();
+    let (err, _) = until_divergence(&mut t);
+    assert!(err.contains("updates in place"), "{err}");
+    let refused = t
+        .checkpoint(run_identity(&t))
+        .err()
+        .expect("the state is no step's");
+    assert!(refused.0.contains("last good state"), "{refused}");
 }
