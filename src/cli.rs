@@ -49,7 +49,11 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
 #[command(
     name = "graphtrain",
     version,
-    about = "Compiles a model's whole train step into one dataflow graph and runs it"
+    about = "Compiles a model's whole train step into one dataflow graph and runs it",
+    after_help = "Environment (read by `run` and `bench`):\n  \
+GRAPHTRAIN_PROFILE=1|steps          wait for and time every step, by kind or one by one\n  \
+GRAPHTRAIN_GEMM_KERNEL=avx2|scalar  a narrower GEMM kernel than the cpu's widest, to measure it\n  \
+GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)"
 )]
 pub struct Cli {
     #[command(subcommand)]
