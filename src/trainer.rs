@@ -205,6 +205,7 @@ impl Trainer {
         timings.passes = compiled.timings.passes;
         timings.lower = compiled.timings.lower;
         let graph = compiled.graph.clone();
+        let fingerprint = compiled.fingerprint;
         // The trainer holds parameters and optimizer state on the host (f64) before any backend
         // sees them: say so if that cannot fit, instead of being killed mid-initialization.
         let host_values: usize = graph.inputs.iter().map(|i| graph.ty(i.value).numel()).sum();
@@ -268,7 +269,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         timings.load = t.elapsed();
         Ok(Trainer {
             model: model.clone(),
-            fingerprint: Fingerprint::of(&graph),
+            fingerprint,
             graph,
             timings,
             passes,

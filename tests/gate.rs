@@ -1,9 +1,11 @@
 //! The default pass pipeline is tier 1: training through it is bitwise identical to training the
-//! unoptimized step, on `tiny` and on `peer`, after 5 AdamW steps.
+//! unoptimized step, on `tiny` and on `peer`, after 5 AdamW steps. And the gate itself fails a
+//! pass that changes numerics.
 
 use graphtrain::gate::{check_pipeline, check_pipeline_on};
+use graphtrain::ir::{Graph, Op};
 use graphtrain::models::Llama3Config;
-use graphtrain::passes::{PipelineSpec, Registry};
+use graphtrain::passes::{Pass, PassError, PassReport, Pipeline, PipelineSpec, Registry, Tier};
 use graphtrain_runtime::Backend;
 
 fn default_pipeline() -> graphtrain::passes::Pipeline {
@@ -89,4 +91,60 @@ fn memory_passes_are_bitwise_identical_on_tiny() {
         check_pipeline_on(&tiny, &p, 5, Backend::Cpu)
             .unwrap_or_else(|e| panic!("{list} on cpu: {e}"));
     }
+}
+
+/// The gate's own checks: it holds the default pipeline to tier 1, and it fails a pass that
+/// changes numerics, whatever tier the pass claims.
+#[test]
+fn the_default_pipeline_is_tier_1() {
+    assert_eq!(default_pipeline().tier(), Tier::Preserving);
+}
+
+/// Changes the first AdamW update's `beta1` to `beta1`: a wrong rewrite, claiming `tier`.
+struct WrongBeta1 {
+    beta1: f64,
+    tier: Tier,
+}
+
+impl Pass for WrongBeta1 {
+    fn name(&self) -> &str {
+        "wrong-beta1"
+    }
+    fn tier(&self) -> Tier {
+        self.tier
+    }
+    fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
+        let mut out = g.clone();
+        let node = out
+            .nodes
+            .iter_mut()
+            .find(|n| matches!(n.op, Op::AdamW { .. }))
+            .expect("the train step has AdamW updates");
+        if let Op::AdamW { beta1, .. } = &mut node.op {
+            *beta1 = self.beta1;
+        }
+        Ok((out, PassReport::default()))
+    }
+}
+
+#[test]
+fn the_gate_fails_a_pass_that_changes_numerics() {
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    // Claimed tier 1, off in the last bits of one parameter's moments: the bitwise check fails.
+    let subtle = Pipeline::new(vec![Box::new(WrongBeta1 {
+        beta1: 0.9 + 1e-7,
+        tier: Tier::Preserving,
+    })]);
+    let err = check_pipeline(&tiny, &subtle, 3).expect_err("a tier-1 claim that changes bits");
+    assert!(err.contains("tier 1"), "{err}");
+    let err = check_pipeline_on(&tiny, &subtle, 3, Backend::Cpu)
+        .expect_err("the same on the cpu backend");
+    assert!(err.contains("tier 1"), "{err}");
+    // Claimed tier 2, far off: beyond the tolerance.
+    let coarse = Pipeline::new(vec![Box::new(WrongBeta1 {
+        beta1: 0.5,
+        tier: Tier::Changing,
+    })]);
+    let err = check_pipeline(&tiny, &coarse, 3).expect_err("beta1 0.5 is not 0.9");
+    assert!(err.contains("tier 2"), "{err}");
 }
