@@ -137,43 +137,33 @@ fn chain_ghz(chain: Chain) -> Option<f64> {
     let mut n: u64 = ITERATIONS;
     // An operand the compiler cannot see, so neither chain has an immediate to fold.
     let y: u64 = std::hint::black_box(3);
+    // Eight dependent `OP x, y` per iteration, then the loop counter.
+    macro_rules! chain_loop {
+        ($op:literal) => {
+            std::arch::asm!(
+                "2:",
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                concat!($op, " {x}, {y}"),
+                "dec {n}",
+                "jnz 2b",
+                x = inout(reg) x,
+                n = inout(reg) n,
+                y = in(reg) y,
+                options(nomem, nostack),
+            )
+        };
+    }
     // SAFETY: register arithmetic only: no memory, no stack.
     unsafe {
         match chain {
-            Chain::Add => std::arch::asm!(
-                "2:",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "add {x}, {y}",
-                "dec {n}",
-                "jnz 2b",
-                x = inout(reg) x,
-                n = inout(reg) n,
-                y = in(reg) y,
-                options(nomem, nostack),
-            ),
-            Chain::Multiply => std::arch::asm!(
-                "2:",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "imul {x}, {y}",
-                "dec {n}",
-                "jnz 2b",
-                x = inout(reg) x,
-                n = inout(reg) n,
-                y = in(reg) y,
-                options(nomem, nostack),
-            ),
+            Chain::Add => chain_loop!("add"),
+            Chain::Multiply => chain_loop!("imul"),
         }
     };
     std::hint::black_box((x, n));
