@@ -10,36 +10,56 @@
 //! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not
 //! multiples of the vector widths or the GEMM tiles.
 //!
+//! Every comparison goes through `common` (`tests/common/mod.rs`): NaN or infinity on either
+//! side fails (in the bitwise check too), output and element counts must match, and "relative"
+//! is `|got - want| <= tol * max(|want|, floor)` with the floor the reference tensor's RMS
+//! (`common::SCALE_FLOOR`), so each tensor is compared at its own scale. The tests at the end
+//! show that the helper fails where it must.
+//!
 //! wgpu runs on Mesa's lavapipe where there is no GPU. Without an adapter the wgpu half of a
 //! test is skipped with a message, except under CI (`CI` set), where it fails: CI installs
 //! lavapipe, so a missing adapter there is a broken setup, not a reason to pass.
 
-use graphtrain::gate;
-use graphtrain_ir::{text, Graph, HostTensor};
+mod common;
+
+use common::{compare_named, compare_outputs, compare_values, Agree};
+use graphtrain::gate::{self, RunRecord};
+use graphtrain_ir::{text, DType, Graph, HostTensor, TensorType};
 use graphtrain_lowering::Mode;
 use graphtrain_passes::testing::random_inputs;
 use graphtrain_runtime::{run_once, Backend};
 
-/// Largest |a - b| / max(1, |b|) over all elements.
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    a.data
-        .iter()
-        .zip(&b.data)
-        .map(|(x, y)| {
-            if x.is_nan() && y.is_nan() {
-                0.0
-            } else {
-                (x - y).abs() / y.abs().max(1.0)
-            }
-        })
-        .fold(0.0, f64::max)
+/// The names of `g`'s outputs, in order.
+fn output_names(g: &Graph) -> Vec<String> {
+    g.outputs.iter().map(|o| o.name.clone()).collect()
 }
 
-fn bitwise_equal(a: &HostTensor, b: &HostTensor) -> bool {
-    a.data
-        .iter()
-        .zip(&b.data)
-        .all(|(x, y)| (x.to_bits() == y.to_bits()) || (x.is_nan() && y.is_nan()))
+/// Panics with `what` and every difference when `got` and `want` do not agree as `how` says.
+fn assert_outputs(
+    what: &str,
+    names: &[String],
+    got: &[HostTensor],
+    want: &[HostTensor],
+    how: Agree,
+) {
+    if let Err(e) = compare_outputs(names, got, want, how) {
+        panic!("{what}:\n{e}");
+    }
+}
+
+/// Panics unless two training runs agree as `how` says on every step's loss and grad norm and
+/// on every parameter and optimizer-state tensor at the end.
+fn assert_runs(what: &str, got: &RunRecord, want: &RunRecord, how: Agree) {
+    let steps = [want.losses.len()];
+    let errors: Vec<String> = [
+        compare_values("loss", &steps, &got.losses, &want.losses, how),
+        compare_values("grad_norm", &steps, &got.grad_norms, &want.grad_norms, how),
+        compare_named(&got.state, &want.state, how),
+    ]
+    .into_iter()
+    .filter_map(Result::err)
+    .collect();
+    assert!(errors.is_empty(), "{what}:\n{}", errors.join("\n"));
 }
 
 /// `g` with every node in capture region 0, so the cpu backend replays all its kernel steps
@@ -59,6 +79,7 @@ fn device_backends() -> Vec<Backend> {
 fn check(name: &str, src: &str) {
     let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
     graphtrain_ir::verify::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let names = output_names(&g);
     for seed in 0..2 {
         let inputs = random_inputs(&g, seed);
         let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
@@ -70,38 +91,54 @@ fn check(name: &str, src: &str) {
             run_once(&captured(&g), Backend::Cpu, mode, &inputs)
                 .unwrap_or_else(|e| panic!("{name}: cpu {mode:?} captured: {e}"))
         });
-        for (k, ((w, e), f)) in want.iter().zip(&eager).zip(&fused).enumerate() {
-            assert_eq!(w.ty, e.ty, "{name}: output {k} type");
-            let err = rel_err(e, w);
-            assert!(
-                err <= 1e-4,
-                "{name} (seed {seed}): output {k} differs from the interpreter by {err:e}"
-            );
-            assert!(
-                bitwise_equal(e, f),
-                "{name} (seed {seed}): output {k}: fused and eager differ (not bitwise equal)"
-            );
-            assert!(
-                bitwise_equal(e, &replayed[0][k]) && bitwise_equal(f, &replayed[1][k]),
-                "{name} (seed {seed}): output {k}: replayed launches differ from dispatched ones"
-            );
-        }
+        let case = |what: &str| format!("{name} (seed {seed}): {what}");
+        assert_outputs(
+            &case("cpu eager vs the interpreter"),
+            &names,
+            &eager,
+            &want,
+            Agree::Relative(1e-4),
+        );
+        assert_outputs(
+            &case("cpu fused vs cpu eager"),
+            &names,
+            &fused,
+            &eager,
+            Agree::Bitwise,
+        );
+        assert_outputs(
+            &case("cpu eager: replayed launches vs dispatched ones"),
+            &names,
+            &replayed[0],
+            &eager,
+            Agree::Bitwise,
+        );
+        assert_outputs(
+            &case("cpu fused: replayed launches vs dispatched ones"),
+            &names,
+            &replayed[1],
+            &fused,
+            Agree::Bitwise,
+        );
         for backend in device_backends() {
             let [eager, fused] = [Mode::Eager, Mode::Fused].map(|mode| {
                 run_once(&g, backend, mode, &inputs)
                     .unwrap_or_else(|e| panic!("{name}: {backend} {mode:?}: {e}"))
             });
-            for (k, ((w, e), f)) in want.iter().zip(&eager).zip(&fused).enumerate() {
-                let err = rel_err(e, w);
-                assert!(
-                    err <= 1e-4,
-                    "{name} (seed {seed}): {backend}: output {k} differs from the interpreter by {err:e}"
-                );
-                assert!(
-                    bitwise_equal(e, f),
-                    "{name} (seed {seed}): {backend}: output {k}: fused and eager differ"
-                );
-            }
+            assert_outputs(
+                &case(&format!("{backend} eager vs the interpreter")),
+                &names,
+                &eager,
+                &want,
+                Agree::Relative(1e-4),
+            );
+            assert_outputs(
+                &case(&format!("{backend} fused vs {backend} eager")),
+                &names,
+                &fused,
+                &eager,
+                Agree::Bitwise,
+            );
         }
     }
 }
@@ -345,7 +382,7 @@ fn one_op_read_by_several_maps_is_recomputed() {
   %13: f32[3,40] = add(%11, %z)
   %14: f32[3,40] = mul(%x, %y)
   %15: f32[3,40] = neg(%14)
-  %16: f32[3,40] = sqrt(%14)
+  %16: f32[3,40] = exp(%14)
   output a = %5
   output b = %6
   output c = %8
@@ -760,23 +797,24 @@ fn adamw_in_place_over_several_parameters() {
         })
         .collect();
     let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+    let names = output_names(&g);
     for backend in [Backend::Cpu].into_iter().chain(device_backends()) {
         let fused = run_once(&g, backend, Mode::Fused, &inputs).unwrap();
         let eager = run_once(&g, backend, Mode::Eager, &inputs).unwrap();
-        for (k, ((w, f), e)) in want.iter().zip(&fused).zip(&eager).enumerate() {
-            assert!(
-                rel_err(f, w) <= 1e-4,
-                "{backend}: output {k} differs from the interpreter"
-            );
-            assert!(
-                bitwise_equal(f, e),
-                "{backend}: output {k}: fused and eager differ"
-            );
-            assert!(
-                f.data.iter().all(|x| x.is_finite()),
-                "{backend}: output {k} is not finite"
-            );
-        }
+        assert_outputs(
+            &format!("adamw: {backend} fused vs the interpreter"),
+            &names,
+            &fused,
+            &want,
+            Agree::Relative(1e-4),
+        );
+        assert_outputs(
+            &format!("adamw: {backend} fused vs {backend} eager"),
+            &names,
+            &fused,
+            &eager,
+            Agree::Bitwise,
+        );
     }
 }
 
@@ -792,16 +830,12 @@ fn tiny_train_step_matches_the_interpreter_after_five_steps() {
         Mode::Fused,
     )
     .unwrap();
-    for (r, c) in reference.losses.iter().zip(&cpu.losses) {
-        assert!(
-            (r - c).abs() / r.abs() <= 1e-4,
-            "loss {c} on cpu vs {r} on the interpreter"
-        );
-    }
-    for ((name, r), (_, c)) in reference.state.iter().zip(&cpu.state) {
-        let err = rel_err(c, r);
-        assert!(err <= 1e-4, "`{name}` after 5 steps differs by {err:e}");
-    }
+    assert_runs(
+        "tiny, 5 steps: cpu vs the interpreter",
+        &cpu,
+        &reference,
+        Agree::Relative(1e-4),
+    );
 }
 
 /// The bitwise gate: the fused program and eager op-by-op execution on the cpu backend agree
@@ -825,19 +859,12 @@ fn tiny_train_step_on_wgpu_matches_the_interpreter_and_its_eager_run() {
             Mode::Fused,
         )
         .unwrap();
-        for (r, c) in reference.losses.iter().zip(&device.losses) {
-            assert!(
-                (r - c).abs() / r.abs() <= 1e-4,
-                "loss {c} on {backend} vs {r} on the interpreter"
-            );
-        }
-        for ((name, r), (_, c)) in reference.state.iter().zip(&device.state) {
-            let err = rel_err(c, r);
-            assert!(
-                err <= 1e-4,
-                "{backend}: `{name}` after 5 steps differs by {err:e}"
-            );
-        }
+        assert_runs(
+            &format!("tiny, 5 steps: {backend} vs the interpreter"),
+            &device,
+            &reference,
+            Agree::Relative(1e-4),
+        );
         assert_fused_equals_eager(backend);
     }
 }
@@ -845,15 +872,166 @@ fn tiny_train_step_on_wgpu_matches_the_interpreter_and_its_eager_run() {
 fn assert_fused_equals_eager(backend: Backend) {
     let (eager, fused) =
         gate::train_on_backends("tiny", 5, backend, Mode::Eager, backend, Mode::Fused).unwrap();
-    assert_eq!(eager.losses, fused.losses);
-    assert_eq!(eager.grad_norms, fused.grad_norms);
-    for ((name, e), (_, f)) in eager.state.iter().zip(&fused.state) {
+    assert_runs(
+        &format!("tiny, 5 steps: {backend} fused vs {backend} eager"),
+        &fused,
+        &eager,
+        Agree::Bitwise,
+    );
+}
+
+// The comparison helper fails where it must: each test below hands it a result that an honest
+// comparison rejects.
+
+fn f32_tensor(shape: &[usize], data: Vec<f64>) -> HostTensor {
+    HostTensor::new(TensorType::new(DType::F32, shape.to_vec()), data).unwrap()
+}
+
+/// cpu's and the interpreter's outputs of a small graph, with their names.
+fn small_run() -> (Vec<String>, Vec<HostTensor>, Vec<HostTensor>) {
+    let g = text::parse(
+        "graph g {
+  input %x: f32[3,5]
+  %1: f32[3,5] = exp(%x)
+  %2: f32[3,5] = mul(%1, %x)
+  output a = %1
+  output b = %2
+}",
+    )
+    .unwrap();
+    let inputs = random_inputs(&g, 0);
+    let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+    let got = run_once(&g, Backend::Cpu, Mode::Fused, &inputs).unwrap();
+    compare_outputs(&output_names(&g), &got, &want, Agree::Relative(1e-4)).unwrap();
+    (output_names(&g), got, want)
+}
+
+#[test]
+fn a_nan_or_inf_in_one_backends_output_fails() {
+    let (names, got, want) = small_run();
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let mut broken = got.clone();
+        broken[1].data[7] = bad;
+        for how in [Agree::Relative(1e-4), Agree::Bitwise] {
+            let err = compare_outputs(&names, &broken, &want, how).unwrap_err();
+            assert!(
+                err.contains("`b` element 7 [1, 2]") && err.contains("not finite"),
+                "{how:?}: {err}"
+            );
+            // On the reference side as well.
+            let err = compare_outputs(&names, &want, &broken, how).unwrap_err();
+            assert!(err.contains("`b` element 7"), "{how:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn nan_on_both_sides_fails() {
+    let (names, mut got, mut want) = small_run();
+    got[0].data[3] = f64::NAN;
+    want[0].data[3] = f64::NAN;
+    for how in [Agree::Relative(1e-4), Agree::Bitwise] {
+        let err = compare_outputs(&names, &got, &want, how).unwrap_err();
         assert!(
-            e.data
-                .iter()
-                .zip(&f.data)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{backend}: `{name}` differs between eager and fused"
+            err.contains("`a` element 3 [0, 3]: got NaN, want NaN: not finite"),
+            "{how:?}: {err}"
         );
     }
+    let both = [f64::NAN];
+    assert!(compare_values("x", &[1], &both, &both, Agree::Bitwise).is_err());
+}
+
+#[test]
+fn count_mismatches_fail() {
+    let (names, got, want) = small_run();
+    for how in [Agree::Relative(1e-4), Agree::Bitwise] {
+        // One output fewer, on either side.
+        let err = compare_outputs(&names, &got[..1], &want, how).unwrap_err();
+        assert!(err.contains("1 outputs, the reference has 2"), "{err}");
+        assert!(compare_outputs(&names, &got, &want[..1], how).is_err());
+        assert!(compare_outputs(&names[..1], &got, &want, how).is_err());
+        // One element fewer: a different type (shape), and different lengths of values.
+        let mut short = got.clone();
+        short[0] = f32_tensor(&[14], got[0].data[..14].to_vec());
+        let err = compare_outputs(&names, &short, &want, how).unwrap_err();
+        assert!(err.contains("`a`: got a f32[14] tensor"), "{err}");
+        let err = compare_values("v", &[15], &got[0].data[..14], &want[0].data, how).unwrap_err();
+        assert!(err.contains("14 elements, the reference has 15"), "{err}");
+        // A state tensor missing or renamed.
+        let state = |t: &[HostTensor]| -> Vec<(String, HostTensor)> {
+            names.iter().cloned().zip(t.iter().cloned()).collect()
+        };
+        assert!(compare_named(&state(&got), &state(&got), how).is_ok());
+        assert!(compare_named(&state(&got)[..1], &state(&got), how).is_err());
+        assert!(compare_named(&state(&got), &state(&got)[..1], how).is_err());
+        let mut renamed = state(&got);
+        renamed[1].0 = "c".into();
+        assert!(compare_named(&renamed, &state(&got), how).is_err());
+    }
+}
+
+/// AdamW's second moments live around 1e-8: a 1% error there is a wrong update and fails at
+/// 1e-4 (the old `max(1, |b|)` divisor read it as 1e-10). Errors of f32 rounding pass.
+#[test]
+fn a_one_percent_error_in_a_tiny_tensor_fails() {
+    let want = f32_tensor(
+        &[37],
+        (0..37).map(|i| 1e-8 * (1.0 + i as f64 / 9.0)).collect(),
+    );
+    let mut got = want.clone();
+    got.data[20] *= 1.01;
+    let names = ["v".to_string()];
+    let err = compare_outputs(
+        &names,
+        std::slice::from_ref(&got),
+        std::slice::from_ref(&want),
+        Agree::Relative(1e-4),
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("`v` element 20 [20]")
+            && err.contains(&format!("got {:e}, want {:e}", got.data[20], want.data[20])),
+        "{err}"
+    );
+    // The whole tensor off by 1% fails too; off by a few f32 roundings it passes.
+    let scaled = |f: f64| f32_tensor(&[37], want.data.iter().map(|x| x * f).collect());
+    assert!(compare_values(
+        "v",
+        &[37],
+        &scaled(1.01).data,
+        &want.data,
+        Agree::Relative(1e-4)
+    )
+    .is_err());
+    assert!(compare_values(
+        "v",
+        &[37],
+        &scaled(1.0 + 1e-6).data,
+        &want.data,
+        Agree::Relative(1e-4)
+    )
+    .is_ok());
+}
+
+/// The floor is the tensor's own scale: an element near zero (by cancellation) is judged
+/// against the tensor's RMS, not against itself, and not against 1; an element above the RMS
+/// against itself.
+#[test]
+fn elements_near_zero_are_judged_at_their_tensors_scale() {
+    let want = [1.0, -1.0, 1e-9];
+    let within = |got: &[f64], want: &[f64]| {
+        compare_values("x", &[got.len()], got, want, Agree::Relative(1e-4))
+    };
+    // rms ~ 0.8165, so the floor is 0.8165: 1e-5 off the small element is within 1e-4 x floor...
+    assert!(within(&[1.0, -1.0, 1e-5], &want).is_ok());
+    // ...1e-3 off it is not.
+    let err = within(&[1.0, -1.0, 1e-3], &want).unwrap_err();
+    assert!(err.contains("`x` element 2 [2]"), "{err}");
+    // The same at 1e-6 scale: the floor scales with the tensor.
+    let small: Vec<f64> = want.iter().map(|x| x * 1e-6).collect();
+    let off: Vec<f64> = [1.0, -1.0, 1e-3].iter().map(|x| x * 1e-6).collect();
+    assert!(within(&off, &small).is_err());
+    // Above the RMS an element is its own scale: 100 off by 2e-2 fails though the RMS is ~58.
+    assert!(within(&[100.0 + 2e-3, 1.0, 1.0], &[100.0, 1.0, 1.0]).is_ok());
+    assert!(within(&[100.0 + 2e-2, 1.0, 1.0], &[100.0, 1.0, 1.0]).is_err());
 }

@@ -1,12 +1,21 @@
-//! Checkpoint and resume: a resumed run is bitwise identical to an uninterrupted one, and bad
-//! checkpoints (another run's, truncated, foreign) are refused with a clear error.
+//! Checkpoint and resume: a resumed run is bitwise identical to an uninterrupted one, on the
+//! interpreter, on cpu and on wgpu (every loss, grad norm, parameter and optimizer-state
+//! tensor), and bad checkpoints (another run's, truncated, foreign) are refused with a clear
+//! error.
 
-use graphtrain::checkpoint::{self, RunIdentity};
+mod common;
+
+use common::{compare_named, compare_values, Agree};
+use graphtrain::checkpoint::{self, Checkpoint, RunIdentity};
 use graphtrain::data::DataMode;
+use graphtrain::gate;
 use graphtrain::ir::optim::OptimConfig;
+use graphtrain::ir::{HostTensor, InputKind};
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
+use graphtrain_lowering::Mode;
+use graphtrain_runtime::Backend;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -34,39 +43,140 @@ fn temp(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-#[test]
-fn resuming_is_bitwise_identical_to_not_stopping() {
-    let mut straight = trainer(0);
-    let losses: Vec<u64> = (0..6)
-        .map(|_| straight.step().unwrap().loss.to_bits())
-        .collect();
-
-    let mut first = trainer(0);
-    for _ in 0..3 {
-        first.step().unwrap();
+/// A trainer for run `seed` whose steps run on `backend` (the interpreter's is the one
+/// `Trainer::new` builds; the compiled ones are loaded with `use_backend`, fused).
+fn trainer_on(backend: Backend, seed: u64) -> Trainer {
+    let mut t = trainer(seed);
+    if backend != Backend::Reference {
+        t.use_backend(backend, Mode::Fused)
+            .unwrap_or_else(|e| panic!("{backend}: {e}"));
     }
-    let path = temp("resume.ckpt");
-    checkpoint::save(&path, &first.checkpoint(run_id(0)).unwrap()).unwrap();
+    t
+}
 
-    let mut resumed = trainer(0);
-    resumed
-        .restore(checkpoint::load(&path).unwrap(), &run_id(0))
-        .unwrap();
-    assert_eq!(resumed.steps_done(), 3);
-    let rest: Vec<u64> = (0..3)
-        .map(|_| resumed.step().unwrap().loss.to_bits())
-        .collect();
-    assert_eq!(rest, losses[3..]);
-    let names: Vec<String> = straight
+/// Every parameter and optimizer-state tensor of `t`, by name, in the graph's order.
+fn carried(t: &mut Trainer) -> Vec<(String, HostTensor)> {
+    let names: Vec<String> = t
         .graph
         .inputs
         .iter()
+        .filter(|i| i.kind != InputKind::Data)
         .map(|i| i.name.clone())
-        .filter(|n| n.contains("weight"))
         .collect();
-    for name in names {
-        let a = straight.input_value(&name).unwrap().clone();
-        assert_eq!(&a, resumed.input_value(&name).unwrap(), "{name}");
+    names
+        .into_iter()
+        .map(|n| {
+            let v = t.input_value(&n).expect("the input exists").clone();
+            (n, v)
+        })
+        .collect()
+}
+
+/// A checkpoint's tensors with their names.
+fn named(ckpt: &Checkpoint) -> Vec<(String, HostTensor)> {
+    ckpt.header
+        .tensors
+        .iter()
+        .map(|e| e.name.clone())
+        .zip(ckpt.tensors.iter().cloned())
+        .collect()
+}
+
+/// What `steps` more steps of `t` leave: losses, grad norms, and every carried tensor.
+struct Rest {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+    state: Vec<(String, HostTensor)>,
+}
+
+fn continue_for(t: &mut Trainer, steps: usize) -> Rest {
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let m = t.step().unwrap();
+        losses.push(m.loss);
+        grad_norms.push(m.grad_norm);
+    }
+    Rest {
+        losses,
+        grad_norms,
+        state: carried(t),
+    }
+}
+
+/// Trains `N` steps on `backend`, checkpoints (through a file) and continues `M` steps; a fresh
+/// trainer on the same backend restores the checkpoint and runs the same `M` steps. Both must
+/// agree bit for bit: the restored tensors with the checkpoint, and then every loss, grad norm,
+/// parameter and optimizer-state tensor. The comparison is not empty: the `M` steps after the
+/// checkpoint moved every tensor.
+fn assert_resume_is_bitwise(backend: Backend) {
+    const N: usize = 3;
+    const M: usize = 3;
+    let mut straight = trainer_on(backend, 0);
+    for _ in 0..N {
+        straight.step().unwrap();
+    }
+    let path = temp(&format!("resume-{backend}.ckpt"));
+    let saved = straight.checkpoint(run_id(0)).unwrap();
+    checkpoint::save(&path, &saved).unwrap();
+    let saved = named(&saved);
+    let want = continue_for(&mut straight, M);
+
+    let mut resumed = trainer_on(backend, 0);
+    resumed
+        .restore(checkpoint::load(&path).unwrap(), &run_id(0))
+        .unwrap();
+    assert_eq!(resumed.steps_done(), N as u64, "{backend}");
+    // Through the file and into the trainer, every tensor keeps its bits.
+    if let Err(e) = compare_named(&carried(&mut resumed), &saved, Agree::Bitwise) {
+        panic!("{backend}: restored trainer vs the checkpoint it was given:\n{e}");
+    }
+    let got = continue_for(&mut resumed, M);
+    assert_eq!(resumed.steps_done(), (N + M) as u64, "{backend}");
+
+    let steps = [M];
+    let errors: Vec<String> = [
+        compare_values("loss", &steps, &got.losses, &want.losses, Agree::Bitwise),
+        compare_values(
+            "grad_norm",
+            &steps,
+            &got.grad_norms,
+            &want.grad_norms,
+            Agree::Bitwise,
+        ),
+        compare_named(&got.state, &want.state, Agree::Bitwise),
+    ]
+    .into_iter()
+    .filter_map(Result::err)
+    .collect();
+    assert!(
+        errors.is_empty(),
+        "{backend}: resumed run vs uninterrupted run:\n{}",
+        errors.join("\n")
+    );
+    for ((name, after), (_, before)) in want.state.iter().zip(&saved) {
+        assert!(
+            after.data.iter().zip(&before.data).any(|(a, b)| a != b),
+            "{backend}: `{name}` did not change after the checkpoint"
+        );
+    }
+}
+
+#[test]
+fn resuming_is_bitwise_identical_to_not_stopping() {
+    assert_resume_is_bitwise(Backend::Reference);
+}
+
+/// The cpu backend updates parameters and state in place inside its arena: a checkpoint reads
+/// them back, a restore writes them in, and the next steps are the same bits.
+#[test]
+fn resuming_on_cpu_is_bitwise_identical_to_not_stopping() {
+    assert_resume_is_bitwise(Backend::Cpu);
+}
+
+#[test]
+fn resuming_on_wgpu_is_bitwise_identical_to_not_stopping() {
+    for backend in gate::device_backends_for_tests() {
+        assert_resume_is_bitwise(backend);
     }
 }
 

@@ -81,7 +81,7 @@ pub fn rope_kernel(
 /// decomposition uses (`1 - beta` computed in f64 on the host). Per element, as
 /// `graphtrain_ir::decompose`: `m' = m·b1 + g·(1 - b1)`, `v' = v·b2 + (g·g)·(1 - b2)`,
 /// `p' = p·(lr·(-wd) + 1) - ((lr / bc1)·m') / (sqrt(v') / sqrt(bc2) + eps)` with
-/// `bc = 1 - beta^t`.
+/// `bc = 1 - beta^t`, which the host computes (in f32, as the cpu backend does) and passes in.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel(
@@ -94,7 +94,8 @@ pub fn adamw_kernel(
     m_out: usize,
     v_out: usize,
     lr: usize,
-    step: usize,
+    bc1: f32,
+    sqrt_bc2: f32,
     b1: f32,
     one_minus_b1: f32,
     b2: f32,
@@ -105,12 +106,8 @@ pub fn adamw_kernel(
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let rate = arena[lr];
-    let t = arena[step];
-    let bc1 = f32::new(1.0) - f32::powf(b1, t);
-    let bc2 = f32::new(1.0) - f32::powf(b2, t);
     let decay = rate * neg_weight_decay + f32::new(1.0);
     let step_size = rate / bc1;
-    let sqrt_bc2 = f32::sqrt(bc2);
     let mut e = ABSOLUTE_POS;
     while e < n {
         let gi = arena[g + e];

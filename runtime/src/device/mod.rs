@@ -130,6 +130,10 @@ pub struct DeviceExecutor {
     /// which compiles the kernels).
     profile: Option<Vec<ProfileEntry>>,
     runs: usize,
+    /// The last value written from the host into each one-element input that no output
+    /// replaces (the step count, the learning rate): what a host-side computation reads
+    /// without waiting for the device.
+    host_scalars: HashMap<ValueId, f32>,
     comm: Box<dyn Communicator>,
 }
 
@@ -169,6 +173,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             tail,
             profile: (options.profile != Profile::Off).then(Vec::new),
             runs: 0,
+            host_scalars: HashMap::new(),
             comm,
         };
         for (v, t) in &constants {
@@ -211,6 +216,14 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             &self.range(start, data.len()),
             cubecl::bytes::Bytes::from_bytes_vec(bytes),
         );
+    }
+
+    /// A one-element value: as the host last wrote it, or else read back from the device.
+    fn host_scalar(&self, v: ValueId) -> Result<f32, RuntimeError> {
+        match self.host_scalars.get(&v) {
+            Some(x) => Ok(*x),
+            None => Ok(self.read_floats(self.off(v), 1)?[0]),
+        }
     }
 
     fn read_floats(&self, start: usize, n: usize) -> Result<Vec<f32>, RuntimeError> {
@@ -599,6 +612,12 @@ and {n} targets",
                 eps,
                 weight_decay,
             } => {
+                // The bias corrections as the cpu backend computes them, on the host: a
+                // device's `powf` may be a few ulp off near 1 (lavapipe's: `0.999^1` gave
+                // 0.99899989), and `1 - beta^t` turns that into a 1e-4 error of every update.
+                let t = self.host_scalar(*t)?;
+                let bc1 = 1.0 - (*beta1 as f32).powf(t);
+                let bc2 = 1.0 - (*beta2 as f32).powf(t);
                 for u in updates {
                     let n = self.program.graph.ty(u.p).numel();
                     if n == 0 {
@@ -622,7 +641,8 @@ and {n} targets",
                             self.off(u.m_out),
                             self.off(u.v_out),
                             self.off(*lr),
-                            self.off(*t),
+                            bc1,
+                            bc2.sqrt(),
                             *beta1 as f32,
                             (1.0 - beta1) as f32,
                             *beta2 as f32,
@@ -978,6 +998,14 @@ impl Executor for DeviceExecutor {
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
         check_input(&self.program, v, t)?;
         let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
+        // Only an input nothing replaces keeps the value the host wrote until the next write.
+        let g = &self.program.graph;
+        let kept = g.inputs.iter().any(|i| i.value == v)
+            && !g.outputs.iter().any(|o| o.donates == Some(v));
+        match data.as_slice() {
+            [x] if kept => self.host_scalars.insert(v, *x),
+            _ => self.host_scalars.remove(&v),
+        };
         self.write_floats(self.off(v), &data);
         Ok(())
     }
