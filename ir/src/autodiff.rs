@@ -9,7 +9,7 @@
 //! asking for one is an error, not a silent zero.
 
 use crate::dtype::TensorType;
-use crate::graph::{Graph, Meta, Phase, TypeError, ValueId};
+use crate::graph::{Graph, Meta, Node, Phase, TypeError, ValueId};
 use crate::op::{BinaryOp, CompareOp, Op, UnaryOp};
 use std::fmt;
 
@@ -48,15 +48,37 @@ impl From<TypeError> for AutodiffError {
 
 type Res<T> = Result<T, AutodiffError>;
 
-/// Options for `grad_with`. The hook exists so tests can prove that gradcheck catches a wrong
-/// rule: it may return a factor that scales the input gradients a rule produces.
+/// Options for `grad_with`. The default applies every rule as written.
 #[derive(Default)]
 pub struct GradOptions<'a> {
-    pub perturb_rule: Option<RuleHook<'a>>,
+    /// Test hook, so a test can prove that gradcheck catches a wrong rule: called after each rule
+    /// with the input cotangents the rule produced, it returns the cotangents to use instead (the
+    /// same ones to leave the rule alone), and may append nodes to the graph to compute them.
+    /// `None`, the default, costs one branch per differentiated node and changes nothing.
+    pub replace_rule: Option<RuleHook<'a>>,
 }
 
-/// Given the op whose rule just ran, a factor to scale its input gradients by (tests only).
-pub type RuleHook<'a> = &'a dyn Fn(&Op) -> Option<f64>;
+/// One application of a gradient rule, as `GradOptions::replace_rule` sees it.
+pub struct RuleSite<'s> {
+    /// Index of the forward node in `Graph::nodes`.
+    pub index: usize,
+    /// The forward node whose rule just ran.
+    pub node: &'s Node,
+    /// Cotangents of the node's outputs (`None` where none reached it).
+    pub out_cots: &'s [Option<ValueId>],
+    /// Which inputs want a cotangent.
+    pub need: &'s [bool],
+    /// The metadata the rule's backward nodes carry.
+    pub meta: &'s Meta,
+}
+
+/// See `GradOptions::replace_rule`: `(graph, site, the rule's input cotangents)` to the input
+/// cotangents to use.
+pub type RuleHook<'a> = &'a dyn Fn(
+    &mut Graph,
+    &RuleSite<'_>,
+    Vec<Option<ValueId>>,
+) -> Result<Vec<Option<ValueId>>, TypeError>;
 
 /// Appends the backward pass of `loss` to `g` and returns d loss / d `wrt[i]` for each `i`
 /// (zeros where the loss does not depend on it).
@@ -143,12 +165,15 @@ pub fn grad_with(
             &out_cots,
             &need,
         )?;
-        if let Some(hook) = opts.perturb_rule {
-            if let Some(factor) = hook(&node.op) {
-                for c in in_cots.iter_mut().flatten() {
-                    *c = cx.mul_scalar(*c, factor)?;
-                }
-            }
+        if let Some(hook) = opts.replace_rule {
+            let site = RuleSite {
+                index: i,
+                node: &node,
+                out_cots: &out_cots,
+                need: &need,
+                meta: &cx.meta,
+            };
+            in_cots = hook(cx.g, &site, in_cots)?;
         }
         for ((v, c), needed) in node.inputs.iter().zip(in_cots).zip(&need) {
             let (Some(c), true) = (c, *needed) else {
