@@ -170,7 +170,7 @@ pub struct ModelArgs {
     /// Model architecture.
     #[arg(long, default_value = "llama3")]
     pub model: String,
-    /// Built-in config name (tiny, debug, peer, 8b, 70b, 405b) or a path to a RON config file.
+    /// Built-in config name (tiny, small, debug, peer, 8b, 70b, 405b) or a path to a RON config file.
     #[arg(long)]
     pub config: String,
 }

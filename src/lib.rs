@@ -1,13 +1,14 @@
 //! graphtrain: traces a model's whole train step into one dataflow graph and runs it.
 //!
-//! The root package holds the CLI (`cli`), run configuration (`config`), data feeding (`data`)
-//! and the training loop (`trainer`), and re-exports the crates below it. See ARCHITECTURE.md.
+//! The root package holds the CLI (`cli`), run configuration (`config`), data feeding (`data`),
+//! the training loop (`trainer`) and forward-only runs for validation and sampling (`eval`), and re-exports the crates below it. See ARCHITECTURE.md.
 
 pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod gate;
 pub mod peak;
 pub mod trainer;

@@ -1,8 +1,10 @@
 //! The buffer planner: gives every tensor value an offset in one arena so that values alive at the
 //! same time never overlap, and reports the arena size (the predicted peak) before anything runs.
 //!
-//! Lifetimes follow the schedule: a graph input is live from the start; a node's outputs from that
-//! node; a value until its last reader, or to the end when it is a graph output. Parameters and
+//! Lifetimes follow the schedule: a graph input is live for the whole run (a caller writes an
+//! input once and may run many times: a forward graph's weights, written before validation and
+//! read by every batch, must still be there for the next run); a node's outputs from that node
+//! until their last reader, or to the end when they are graph outputs. Parameters and
 //! optimizer state are donated: the output that replaces an input takes the input's own bytes
 //! (the update happens in place), so the pair is one buffer live for the whole step. Reading an
 //! operand and writing a result of the same node never share bytes, except through donation,
@@ -136,6 +138,9 @@ fn plan(
     }
     for o in &g.outputs {
         last[o.value.index()] = end;
+    }
+    for i in &g.inputs {
+        last[i.value.index()] = end;
     }
 
     // One buffer per value, except that a donated output joins its input's buffer.
