@@ -70,7 +70,9 @@ fn validation_loss_is_the_train_steps_loss_for_the_same_weights_and_batch() {
 
 #[test]
 fn logits_at_a_position_do_not_depend_on_later_tokens() {
-    for backend in [Backend::Reference, Backend::Cpu] {
+    let mut backends = vec![Backend::Reference, Backend::Cpu];
+    backends.extend(graphtrain::gate::device_backends_for_tests());
+    for backend in backends {
         let m = tiny();
         let mut t = trainer_on(backend);
         t.step().unwrap();
