@@ -76,6 +76,27 @@ fn device_backends() -> Vec<Backend> {
     gate::device_backends_for_tests()
 }
 
+/// Reports whether the wgpu halves of this file's tests (and of `gate`, `checkpoint`, `cli` and
+/// `eval`) ran: ignored, with the reason, on a machine with no Vulkan driver (decided at build
+/// time by `build.rs`); where a driver is installed, wgpu must find an adapter.
+#[test]
+#[cfg_attr(
+    not(feature = "wgpu"),
+    ignore = "built without the wgpu feature: the wgpu halves are not run"
+)]
+#[cfg_attr(
+    not(vulkan_driver_found),
+    ignore = "no Vulkan driver here: the wgpu halves of the backend tests are not run \
+              (scripts/setup.sh installs Mesa's lavapipe)"
+)]
+fn the_wgpu_halves_run_here() {
+    assert_eq!(
+        device_backends(),
+        vec![Backend::Wgpu],
+        "a Vulkan driver is installed, so wgpu must run"
+    );
+}
+
 fn check(name: &str, src: &str) {
     let g = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
     graphtrain_ir::verify::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));

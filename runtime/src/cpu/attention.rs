@@ -463,15 +463,11 @@ mod tests {
     use super::*;
     use crate::cpu::rows::tests::row;
 
-    /// The AVX2 and AVX-512 softmax and the AVX2 gradient give the portable loops' bits.
-    #[test]
+    /// Causal softmax rows through `softmax_rows` (a vector build) against the portable loop.
     #[cfg(target_arch = "x86_64")]
-    fn vector_softmax_matches_the_portable_loops_bit_for_bit() {
-        if !is_x86_feature_detected!("avx2") {
-            return;
-        }
+    fn check_softmax(what: &str, softmax_rows: impl Fn(&mut [f32], usize, usize, &Dims)) {
         for len in (3..40).chain([255, 256, 257]) {
-            let (a, b) = (row(len, 1), row(len, 5));
+            let a = row(len, 1);
             let d = Dims {
                 batch: 1,
                 heads: 1,
@@ -488,20 +484,53 @@ mod tests {
                 softmax_row::<false>(r, len - 2 + i, 0.3);
             }
             let mut fast = a.repeat(3);
-            // SAFETY: AVX2 checked above.
-            unsafe { softmax_rows_avx2(&mut fast, len, len - 3, &d) };
-            assert_eq!(bits(&fast), bits(&slow), "AVX2 softmax, len {len}");
-            if is_x86_feature_detected!("avx512f") {
-                let mut fast = a.repeat(3);
-                // SAFETY: checked just above.
-                unsafe { softmax_rows_avx512(&mut fast, len, len - 3, &d) };
-                assert_eq!(bits(&fast), bits(&slow), "AVX-512 softmax, len {len}");
-            }
+            softmax_rows(&mut fast, len, len - 3, &d);
+            assert_eq!(bits(&fast), bits(&slow), "{what} softmax, len {len}");
+        }
+    }
+
+    /// The AVX2 softmax and softmax gradient give the portable loops' bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx2),
+        ignore = "this cpu has no AVX2 and FMA: the AVX2 path is not run here"
+    )]
+    fn avx2_softmax_matches_the_portable_loops_bit_for_bit() {
+        assert!(
+            is_x86_feature_detected!("avx2"),
+            "built on a cpu with AVX2, tested on one without"
+        );
+        // SAFETY: AVX2 checked above.
+        check_softmax("AVX2", |x, len, r0, d| unsafe {
+            softmax_rows_avx2(x, len, r0, d)
+        });
+        for len in (3..40).chain([255, 256, 257]) {
+            let (a, b) = (row(len, 1), row(len, 5));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let (mut fast, mut slow) = (b.repeat(3), b.repeat(3));
             let p = a.repeat(3);
             softmax_grad(&p, &mut fast, len);
             softmax_grad_rows::<false>(&p, &mut slow, len);
             assert_eq!(bits(&fast), bits(&slow), "softmax gradient, len {len}");
         }
+    }
+
+    /// The AVX-512 softmax gives the portable loop's bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx512f),
+        ignore = "this cpu has no AVX-512F: the AVX-512 path is not run here"
+    )]
+    fn avx512_softmax_matches_the_portable_loops_bit_for_bit() {
+        assert!(
+            is_x86_feature_detected!("avx512f"),
+            "built on a cpu with AVX-512F, tested on one without"
+        );
+        // SAFETY: AVX-512F checked above.
+        check_softmax("AVX-512", |x, len, r0, d| unsafe {
+            softmax_rows_avx512(x, len, r0, d)
+        });
     }
 }

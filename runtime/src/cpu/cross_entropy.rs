@@ -253,14 +253,40 @@ mod tests {
     use super::*;
     use crate::cpu::rows::tests::row;
 
-    /// The AVX-512 and AVX2 builds of the loss and gradient loops give the portable loops'
-    /// bits, on rows whose length leaves a partial last group of 16 and of 8.
+    /// The AVX2 build of the loss and gradient loops gives the portable loops' bits.
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn vector_builds_match_the_portable_loops_bit_for_bit() {
-        if !is_x86_feature_detected!("avx2") {
-            return;
-        }
+    #[cfg_attr(
+        not(host_has_avx2),
+        ignore = "this cpu has no AVX2 and FMA: the AVX2 path is not run here"
+    )]
+    fn avx2_build_matches_the_portable_loops_bit_for_bit() {
+        assert!(
+            is_x86_feature_detected!("avx2"),
+            "built on a cpu with AVX2, tested on one without"
+        );
+        vector_build_matches_the_portable_loops(false);
+    }
+
+    /// The AVX-512 build of the loss and gradient loops gives the portable loops' bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx512f),
+        ignore = "this cpu has no AVX-512F: the AVX-512 path is not run here"
+    )]
+    fn avx512_build_matches_the_portable_loops_bit_for_bit() {
+        assert!(
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2"),
+            "built on a cpu with AVX-512F, tested on one without"
+        );
+        vector_build_matches_the_portable_loops(true);
+    }
+
+    /// Rows whose length leaves a partial last group of 16 and of 8, through the AVX2 build or
+    /// the AVX-512 one (the caller checked the cpu has it).
+    #[cfg(target_arch = "x86_64")]
+    fn vector_build_matches_the_portable_loops(avx512: bool) {
         let (n, c) = (5, 37);
         let mut arena: Vec<f32> = (0..n).flat_map(|r| row(c, r + 1)).collect();
         arena.resize(2 * n * c, f32::NAN);
@@ -280,19 +306,23 @@ mod tests {
         grads::<false, false>(base, &x, &t, 0.3, n * c, &rows);
         let want_grads = bits(&arena[n * c..]);
         let mut got = vec![0.0f64; n];
-        // SAFETY: AVX2 checked above; the logits and the gradient rows are in `arena`.
-        unsafe { losses_avx2(base, &x, &t, &rows, &mut got) };
-        assert_eq!(got, want, "AVX2 losses");
         arena[n * c..].fill(f32::NAN);
-        unsafe { grads_avx2(base, &x, &t, 0.3, n * c, &rows) };
-        assert_eq!(bits(&arena[n * c..]), want_grads, "AVX2 gradients");
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: checked just above.
-            unsafe { losses_avx512(base, &x, &t, &rows, &mut got) };
-            assert_eq!(got, want, "AVX-512 losses");
-            arena[n * c..].fill(f32::NAN);
-            unsafe { grads_avx512(base, &x, &t, 0.3, n * c, &rows) };
-            assert_eq!(bits(&arena[n * c..]), want_grads, "AVX-512 gradients");
+        // SAFETY: the callers checked the instruction sets; the logits and the gradient rows
+        // are in `arena`.
+        unsafe {
+            if avx512 {
+                losses_avx512(base, &x, &t, &rows, &mut got);
+                grads_avx512(base, &x, &t, 0.3, n * c, &rows);
+            } else {
+                losses_avx2(base, &x, &t, &rows, &mut got);
+                grads_avx2(base, &x, &t, 0.3, n * c, &rows);
+            }
         }
+        assert_eq!(got, want, "losses (AVX-512: {avx512})");
+        assert_eq!(
+            bits(&arena[n * c..]),
+            want_grads,
+            "gradients (AVX-512: {avx512})"
+        );
     }
 }

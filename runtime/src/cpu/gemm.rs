@@ -1386,6 +1386,27 @@ mod tests {
         c
     }
 
+    /// The vector paths are among those the GEMM tests run wherever the cpu has them.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx2),
+        ignore = "this cpu has no AVX2 and FMA: the AVX2 GEMM path is not run here"
+    )]
+    fn the_avx2_path_is_tested_here() {
+        assert!(paths().contains(&Path::Avx2), "{:?}", paths());
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx512f),
+        ignore = "this cpu has no AVX-512F: the AVX-512 GEMM path is not run here"
+    )]
+    fn the_avx512_path_is_tested_here() {
+        assert!(paths().contains(&Path::Avx512), "{:?}", paths());
+    }
+
     fn paths() -> Vec<Path> {
         let mut v = vec![Path::Scalar];
         #[cfg(target_arch = "x86_64")]

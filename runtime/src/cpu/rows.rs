@@ -301,10 +301,15 @@ pub(crate) mod tests {
     /// The AVX2 row reductions give the portable loops' bits, odd lengths included.
     #[test]
     #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx2),
+        ignore = "this cpu has no AVX2 and FMA: the AVX2 path is not run here"
+    )]
     fn avx2_rows_match_the_portable_loops_bit_for_bit() {
-        if !is_x86_feature_detected!("avx2") {
-            return;
-        }
+        assert!(
+            is_x86_feature_detected!("avx2"),
+            "built on a cpu with AVX2, tested on one without"
+        );
         for len in (0..40).chain([255, 256, 257]) {
             let (a, b) = (row(len, 1), row(len, 5));
             // SAFETY: AVX2 checked above.
@@ -327,10 +332,15 @@ pub(crate) mod tests {
     /// The sixteen-lane `exp` gives the scalar one's bits, over the whole range and past it.
     #[test]
     #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(
+        not(host_has_avx512f),
+        ignore = "this cpu has no AVX-512F: the AVX-512 path is not run here"
+    )]
     fn exp16_matches_the_scalar_exp_bit_for_bit() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
-        }
+        assert!(
+            is_x86_feature_detected!("avx512f"),
+            "built on a cpu with AVX-512F, tested on one without"
+        );
         use std::arch::x86_64::*;
         let mut xs: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001_01).collect();
         xs.extend([
