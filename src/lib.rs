@@ -10,6 +10,7 @@ pub mod config;
 pub mod data;
 pub mod gate;
 pub mod peak;
+pub mod replay;
 pub mod trainer;
 
 pub use graphtrain_ir as ir;
