@@ -394,7 +394,10 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
     /// Save parameters, optimizer state and the step count to this file (atomically) at the end,
-    /// every --checkpoint-every steps, and with the last good state when a step fails.
+    /// every --checkpoint-every steps, and with the last good state when a step fails. The file
+    /// is safetensors: one tensor per parameter and optimizer-state tensor under the graph's
+    /// names; its metadata holds the run (config, seed, data, optimizer), the step count, the
+    /// data position, the graph fingerprint and a checksum of every tensor and of the metadata.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Also save the checkpoint every N steps (0: only at the end or on failure).
@@ -410,13 +413,15 @@ pub struct RunArgs {
     /// Write every trained step's batch to this file, for replay in another framework: raw
     /// little-endian u32 token ids, one [batch, seq+1] block per step (the row's tokens plus its
     /// last target), in step order. The file is emptied first; with --resume, block 0 is the
-    /// first step after the resume point.
+    /// first step after the resume point. A batch whose targets are not its tokens shifted by
+    /// one cannot be written this way and stops the run with an error.
     #[arg(long)]
     pub dump_batches: Option<PathBuf>,
     /// Write the initial parameters (before step 1) to this safetensors file, F32, under the
     /// graph's names (torchtitan's, e.g. `layers.0.attention.wq.weight`, Linear weights
     /// [out, in]). The PyTorch peer (../shared/peers/torch/llama_step.py --init) has the layout
-    /// of the `peer`-shaped configs only (rotate-half RoPE, no GQA).
+    /// of the `peer`-shaped configs only (rotate-half RoPE, no GQA). Not with --resume: the
+    /// parameters are then no longer the initial ones.
     #[arg(long, conflicts_with = "resume")]
     pub init_out: Option<PathBuf>,
 }
