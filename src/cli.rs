@@ -4,6 +4,7 @@
 use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
 use crate::data::DataMode;
+use crate::replay::{self, BatchDump};
 use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
@@ -393,15 +394,36 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
     /// Save parameters, optimizer state and the step count to this file (atomically) at the end,
-    /// every --checkpoint-every steps, and with the last good state when a step fails.
+    /// every --checkpoint-every steps, and with the last good state when a step fails. The file
+    /// is safetensors: one tensor per parameter and optimizer-state tensor under the graph's
+    /// names; its metadata holds the run (config, seed, data, optimizer), the step count, the
+    /// data position, the graph fingerprint and a checksum of every tensor and of the metadata.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Also save the checkpoint every N steps (0: only at the end or on failure).
     #[arg(long, default_value_t = 0, requires = "checkpoint")]
     pub checkpoint_every: u64,
     /// Continue from a checkpoint of the same run (same config, seed, data and optimizer).
+    /// Checkpoints are safetensors files whose every tensor and metadata entry is checksummed:
+    /// a changed, truncated or foreign file is refused, naming what changed. A checkpoint from
+    /// another pass pipeline resumes (state is matched by name); the differing graph
+    /// fingerprint is printed.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Write every trained step's batch to this file, for replay in another framework: raw
+    /// little-endian u32 token ids, one [batch, seq+1] block per step (the row's tokens plus its
+    /// last target), in step order. The file is emptied first; with --resume, block 0 is the
+    /// first step after the resume point. A batch whose targets are not its tokens shifted by
+    /// one cannot be written this way and stops the run with an error.
+    #[arg(long)]
+    pub dump_batches: Option<PathBuf>,
+    /// Write the initial parameters (before step 1) to this safetensors file, F32, under the
+    /// graph's names (torchtitan's, e.g. `layers.0.attention.wq.weight`, Linear weights
+    /// [out, in]). The PyTorch peer (../shared/peers/torch/llama_step.py --init) has the layout
+    /// of the `peer`-shaped configs only (rotate-half RoPE, no GQA). Not with --resume: the
+    /// parameters are then no longer the initial ones.
+    #[arg(long, conflicts_with = "resume")]
+    pub init_out: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -675,6 +697,14 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     );
     if let Some(path) = &a.resume {
         let ckpt = checkpoint::load(path)?;
+        let fingerprint = trainer.fingerprint.to_string();
+        if ckpt.header.fingerprint != fingerprint {
+            say!(
+                "note: {} was written by a step graph with fingerprint {}, this one is {fingerprint} (another pass pipeline); state is restored by name",
+                path.display(),
+                ckpt.header.fingerprint
+            );
+        }
         trainer
             .restore(ckpt, &run_id)
             .map_err(|e| format!("--resume {}: {e}", path.display()))?;
@@ -694,6 +724,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             ),
             None => Ok(()),
         }
+    };
+    if let Some(path) = &a.init_out {
+        let params = trainer.parameters().map_err(|e| e.to_string())?;
+        replay::write_init(path, &params)?;
+        say!("initial parameters: {}", path.display());
+    }
+    let mut dump = match &a.dump_batches {
+        Some(path) => Some(BatchDump::create(path, cfg.batch, cfg.seq_len)?),
+        None => None,
     };
     let peak = crate::peak::peak(&a.train.backend, a.train.peak_gflops);
     while trainer.steps_done() < a.steps {
@@ -729,6 +768,9 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             tps,
             gflops / 1e3,
         );
+        if let (Some(dump), Some(b)) = (&mut dump, trainer.last_batch()) {
+            dump.append(m.step, b)?;
+        }
         if a.checkpoint_every > 0 && m.step % a.checkpoint_every == 0 {
             save(&mut trainer)?;
         }

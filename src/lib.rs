@@ -11,6 +11,7 @@ pub mod data;
 pub mod eval;
 pub mod gate;
 pub mod peak;
+pub mod replay;
 pub mod trainer;
 
 pub use graphtrain_ir as ir;

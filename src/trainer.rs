@@ -5,7 +5,7 @@
 //! inputs there); the trainer reads them back only for checkpoints and inspection.
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
-use crate::data::{batch, DataMode};
+use crate::data::{batch, Batch, DataMode};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{rng, verify, DType, Graph, HostTensor, Init, InputKind, TensorType, ValueId};
 use graphtrain_lowering::{FusionLimits, Mode, Program};
@@ -173,6 +173,8 @@ pub struct Trainer {
     /// A step failed after the executor had updated parameters in place: the state is not one
     /// any completed step left, so it must not be checkpointed.
     poisoned: bool,
+    /// The batch the last completed step trained on, kept so it can be exported for replay.
+    last_batch: Option<Batch>,
 }
 
 impl Trainer {
@@ -285,6 +287,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             exec,
             slots_stale: false,
             poisoned: false,
+            last_batch: None,
         })
     }
 
@@ -363,6 +366,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             Ok(_) => {
                 self.slots_stale = true;
                 self.steps_done = step_no;
+                self.last_batch = Some(b);
             }
             // Where the executor can put the donated inputs back, nothing of the failed step
             // is kept; where it updated them in place, the state is not a step's.
@@ -414,6 +418,24 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.steps_done
     }
 
+    /// The batch step `steps_done()` trained on (`None` before the first step of this trainer).
+    pub fn last_batch(&self) -> Option<&Batch> {
+        self.last_batch.as_ref()
+    }
+
+    /// Current parameters (not optimizer state), by name, in the graph's input order.
+    pub fn parameters(&mut self) -> Result<Vec<(String, HostTensor)>, TrainError> {
+        self.pull_slots()?;
+        Ok(self
+            .graph
+            .inputs
+            .iter()
+            .zip(&self.slots)
+            .filter(|(input, _)| input.kind == InputKind::Param)
+            .map(|(input, slot)| (input.name.clone(), slot.clone()))
+            .collect())
+    }
+
     /// Parameters, optimizer state and the step count, with `run` to identify the run.
     pub fn checkpoint(&mut self, run: RunIdentity) -> Result<Checkpoint, TrainError> {
         if self.poisoned {
@@ -438,17 +460,29 @@ values, {} as the trainer's f64 host copies, and {} is available",
             header: Header {
                 run,
                 steps_done: self.steps_done,
+                // Batch k is a pure function of (seed, k): one batch per step.
+                data_batches_consumed: self.steps_done,
+                fingerprint: self.fingerprint.to_string(),
                 tensors: entries,
+                extra: Default::default(),
             },
             tensors,
         })
     }
 
     /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
-    /// and state tensor with its type.
+    /// and state tensor with its type. The graph fingerprint may differ (another pass pipeline
+    /// over the same step): state is matched by name.
     pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
         if ckpt.header.run != *run {
             return Err(err(describe_mismatch(&ckpt.header.run, run)));
+        }
+        if ckpt.header.data_batches_consumed != ckpt.header.steps_done {
+            return Err(err(format!(
+                "the checkpoint consumed {} batches in {} steps; this trainer takes one batch per \
+step, so it cannot resume the data there",
+                ckpt.header.data_batches_consumed, ckpt.header.steps_done
+            )));
         }
         let mut by_name: std::collections::HashMap<String, HostTensor> = ckpt
             .header

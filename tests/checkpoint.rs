@@ -1,7 +1,9 @@
 //! Checkpoint and resume: a resumed run is bitwise identical to an uninterrupted one, on the
 //! interpreter, on cpu and on wgpu (every loss, grad norm, parameter and optimizer-state
-//! tensor), and bad checkpoints (another run's, truncated, foreign) are refused with a clear
-//! error.
+//! tensor); bad checkpoints (another run's, truncated, extended, foreign, format 1, a changed
+//! byte anywhere in a tensor or the header) are refused with a clear error and left as they
+//! were; the files are safetensors that Python reads; `--dump-batches` and `--init-out` write
+//! what the PyTorch peer replays.
 
 mod common;
 
@@ -212,9 +214,229 @@ fn truncated_and_foreign_files_are_refused() {
     let mut more = bytes.clone();
     more.push(0);
     std::fs::write(&p, more).unwrap();
-    assert!(checkpoint::load(&p)
-        .unwrap_err()
-        .contains("unexpected bytes"));
+    let err = checkpoint::load(&p).unwrap_err();
+    assert!(err.contains("bytes appended"), "{err}");
+
+    let foreign: [(&str, Vec<u8>, &str); 4] = [
+        (
+            "text.ckpt",
+            b"step: 1 loss: 4.1\nstep: 2 loss: 4.0\n".to_vec(),
+            "not a safetensors file",
+        ),
+        (
+            "format1.ckpt",
+            b"graphtrain-checkpoint 1\n\x10\0\0\0\0\0\0\0(run: ...)".to_vec(),
+            "format 1 graphtrain checkpoint",
+        ),
+        (
+            "plain.safetensors",
+            safetensors::serialize(
+                [(
+                    "w",
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        vec![1],
+                        &[0u8; 4],
+                    )
+                    .unwrap(),
+                )],
+                None,
+            )
+            .unwrap(),
+            "without `__metadata__`",
+        ),
+        (
+            "other.safetensors",
+            safetensors::serialize(
+                [(
+                    "w",
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        vec![1],
+                        &[0u8; 4],
+                    )
+                    .unwrap(),
+                )],
+                Some([("format".to_string(), "pt".to_string())].into()),
+            )
+            .unwrap(),
+            "format `pt`",
+        ),
+    ];
+    for (name, bytes, why) in foreign {
+        let p = temp(name);
+        std::fs::write(&p, bytes).unwrap();
+        let err = checkpoint::load(&p).unwrap_err();
+        assert!(
+            err.contains(why) && err.contains(p.to_str().unwrap()),
+            "{name}: {err}"
+        );
+    }
+}
+
+/// A saved checkpoint's bytes and, per tensor, its name and byte range in the file.
+fn saved_bytes(name: &str) -> (PathBuf, Vec<u8>, Vec<(String, std::ops::Range<usize>)>) {
+    let path = temp(name);
+    let mut t = trainer(0);
+    t.step().unwrap();
+    checkpoint::save(&path, &t.checkpoint(run_id(0)).unwrap()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let ranges = header
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = &v["data_offsets"];
+            let (a, b) = (o[0].as_u64().unwrap(), o[1].as_u64().unwrap());
+            (k.clone(), 8 + n + a as usize..8 + n + b as usize)
+        })
+        .collect();
+    (path, bytes, ranges)
+}
+
+/// One flipped bit in any tensor's data is refused, naming that tensor; the file is left as it
+/// was.
+#[test]
+fn a_changed_byte_in_a_tensor_is_refused_naming_it() {
+    let (path, bytes, ranges) = saved_bytes("flip-data.ckpt");
+    assert!(ranges.len() > 10, "{ranges:?}");
+    for (name, range) in &ranges {
+        // Low mantissa bit of the middle element: the smallest change a value can have.
+        let at = range.start + (range.len() / 2) / 4 * 4;
+        let mut bad = bytes.clone();
+        bad[at] ^= 1;
+        std::fs::write(&path, &bad).unwrap();
+        let err = checkpoint::load(&path).unwrap_err();
+        assert!(
+            err.contains(&format!("tensor `{name}`")) && err.contains("bytes changed"),
+            "{name}: {err}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), bad, "load changed the file");
+    }
+}
+
+/// Every single-bit change in the length prefix or the JSON header (tensor names, shapes,
+/// offsets, dtypes, every metadata entry) is refused.
+#[test]
+fn a_changed_byte_in_the_header_is_refused() {
+    let (_, bytes, _) = saved_bytes("flip-header.ckpt");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut accepted = Vec::new();
+    for at in 0..8 + n {
+        for bit in [0x01u8, 0x20] {
+            let mut bad = bytes.clone();
+            bad[at] ^= bit;
+            if checkpoint::from_bytes(&bad).is_ok() {
+                accepted.push(format!("byte {at} ({:?}) ^ {bit:#x}", bytes[at] as char));
+            }
+        }
+    }
+    assert!(accepted.is_empty(), "accepted: {accepted:?}");
+    // The metadata checksum is what catches a change that leaves valid JSON and sense: the
+    // step count, as a reader would see it.
+    let text = String::from_utf8_lossy(&bytes[8..8 + n]).to_string();
+    let changed = text.replacen("\"steps_done\":\"1\"", "\"steps_done\":\"2\"", 1);
+    assert_ne!(changed, text);
+    let mut bad = bytes[..8].to_vec();
+    bad.extend_from_slice(changed.as_bytes());
+    bad.extend_from_slice(&bytes[8 + n..]);
+    let err = checkpoint::from_bytes(&bad).unwrap_err();
+    assert!(err.contains("metadata changed"), "{err}");
+}
+
+/// The open metadata map comes back verbatim (a tokenizer's JSON has quotes, newlines and
+/// non-ASCII), and the graph fingerprint and data position are recorded.
+#[test]
+fn extra_metadata_and_the_fingerprint_round_trip() {
+    let path = temp("extra-meta.ckpt");
+    let mut t = trainer(0);
+    t.step().unwrap();
+    t.step().unwrap();
+    let mut ckpt = t.checkpoint(run_id(0)).unwrap();
+    let tokenizer = "{\"model\": {\"vocab\": {\"é\": 0, \"\\n\": 1}}}\n\t end";
+    ckpt.header
+        .extra
+        .insert("tokenizer.json".to_string(), tokenizer.to_string());
+    ckpt.header.extra.insert("empty".to_string(), String::new());
+    checkpoint::save(&path, &ckpt).unwrap();
+    let back = checkpoint::load(&path).unwrap();
+    assert_eq!(back, ckpt);
+    assert_eq!(back.header.extra["tokenizer.json"], tokenizer);
+    assert_eq!(back.header.fingerprint, t.fingerprint.to_string());
+    assert_eq!(back.header.data_batches_consumed, 2);
+}
+
+/// A resume that fails on a bad checkpoint writes nothing, even when --checkpoint names the
+/// same file.
+#[test]
+fn a_refused_resume_leaves_the_file_unchanged() {
+    let ckpt = temp("refused.ckpt");
+    let first = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(first.status.success());
+    let mut bytes = std::fs::read(&ckpt).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&ckpt, &bytes).unwrap();
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "4",
+        "--resume",
+        ckpt.to_str().unwrap(),
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("bytes changed"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&ckpt).unwrap(), bytes);
+}
+
+/// Another pass pipeline over the same run resumes (state is matched by name) and says that
+/// the graph differs.
+#[test]
+fn resuming_with_other_passes_prints_the_fingerprints() {
+    let ckpt = temp("passes.ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let first = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--checkpoint",
+        ckpt,
+    ]);
+    assert!(first.status.success());
+    let saved = checkpoint::load(std::path::Path::new(ckpt)).unwrap();
+    let same = graphtrain(&["run", "--config", "tiny", "--steps", "3", "--resume", ckpt]);
+    assert!(same.status.success());
+    assert!(!String::from_utf8_lossy(&same.stdout).contains("fingerprint"));
+    let other = graphtrain(&[
+        "run", "--config", "tiny", "--steps", "3", "--passes", "none", "--resume", ckpt,
+    ]);
+    let out = String::from_utf8_lossy(&other.stdout);
+    assert!(
+        other.status.success()
+            && out.contains(&format!("fingerprint {}", saved.header.fingerprint))
+            && out.contains("step:  3"),
+        "{out}\n{}",
+        String::from_utf8_lossy(&other.stderr)
+    );
 }
 
 fn graphtrain(args: &[&str]) -> std::process::Output {
