@@ -4,7 +4,9 @@
 use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
 use crate::data::DataMode;
+use crate::metrics::MetricsWriter;
 use crate::replay::{self, BatchDump};
+use crate::step_report::{StepReport, TraceTarget};
 use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
@@ -54,7 +56,12 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     after_help = "Environment (read by `run` and `bench`):\n  \
 GRAPHTRAIN_PROFILE=1|steps          wait for and time every step, by kind or one by one\n  \
 GRAPHTRAIN_GEMM_KERNEL=avx2|scalar  a narrower GEMM kernel than the cpu's widest, to measure it\n  \
-GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)"
+GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)\n\n\
+Logging (every command):\n  \
+RUST_LOG=info                       log each compile stage (trace, autodiff, verify, passes and\n  \
+                                    each pass, legalize, lower, load) and each training step to\n  \
+                                    stderr as it ends, with its time; any tracing env-filter works\n  \
+                                    (`graphtrain=info,graphtrain_passes=info`). Unset: errors only"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -88,6 +95,22 @@ pub enum Command {
     /// Graph passes: list them, explain one, apply a pipeline to a graph file.
     #[command(subcommand)]
     Passes(PassesCommand),
+    /// Draw a metrics log (`run --metrics`) as panels against step: loss and validation loss,
+    /// tokens/s, memory; or, with --trace, a timeline (`run --trace-out`) as lanes.
+    Plot(PlotArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PlotArgs {
+    /// The metrics log (JSON lines, schema `graphtrain.metrics/1`).
+    #[arg(required_unless_present = "trace", conflicts_with = "trace")]
+    pub file: Option<PathBuf>,
+    /// Draw this Chrome trace's lanes instead (one row per lane, one bar per event).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// The picture: `.svg`, or `.png` (text drawn with a bundled font).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Subcommand, Debug)]
@@ -113,6 +136,10 @@ pub enum PassesCommand {
         /// compare (bitwise for tier-1 pipelines, within tolerance for tier 2).
         #[arg(long)]
         check: bool,
+        /// Also write the rewritten graph as Graphviz DOT, nodes the passes made outlined in red
+        /// and the ones they removed listed dashed.
+        #[arg(long)]
+        dot: Option<PathBuf>,
     },
 }
 
@@ -192,6 +219,11 @@ pub struct TraceArgs {
     /// Format of `--out` (default: `ron` for a `.ron` file, else `text`).
     #[arg(long, value_enum)]
     pub format: Option<GraphFormat>,
+    /// Write the train-step graph (after the passes) as Graphviz DOT: one cluster per module
+    /// path prefix, nodes filled by phase (forward blue, loss yellow, backward orange, optimizer
+    /// green). `dot -Tsvg FILE.dot` draws it.
+    #[arg(long)]
+    pub dot: Option<PathBuf>,
     #[command(flatten)]
     pub optim: OptimArgs,
     #[command(flatten)]
@@ -337,6 +369,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         gemm_kernel: var("GRAPHTRAIN_GEMM_KERNEL")
             .map_or(GemmKernel::Widest, |v| GemmKernel::from_setting(&v)),
         memory_limit_bytes,
+        timeline: false,
     })
 }
 
@@ -424,6 +457,26 @@ pub struct RunArgs {
     /// parameters are then no longer the initial ones.
     #[arg(long, conflicts_with = "resume")]
     pub init_out: Option<PathBuf>,
+    /// Write one JSON line per step (schema `graphtrain.metrics/1`, flushed as each step ends)
+    /// to this file: created afresh, appended to with --resume. `graphtrain plot` draws it.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    #[command(flatten)]
+    pub trace: TraceOutArgs,
+}
+
+/// Which step's timeline `run` writes, and where.
+#[derive(clap::Args, Debug)]
+pub struct TraceOutArgs {
+    /// Write one step's timeline as a Chrome trace (chrome://tracing, Perfetto): a complete event
+    /// per Program step, named by its graph node and module path, microseconds from the step's
+    /// start, pid = rank, tid = lane (0 kernels, 1 host code). That step waits for each of its
+    /// steps to time it, so it runs slower than the others. Compiled backends only.
+    #[arg(long)]
+    pub trace_out: Option<PathBuf>,
+    /// Which training step `--trace-out` records (default: the last of the run).
+    #[arg(long, requires = "trace_out")]
+    pub trace_step: Option<u64>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -447,6 +500,10 @@ pub struct BenchArgs {
     /// writes the paired summary.
     #[arg(long)]
     pub against: Option<String>,
+    /// After the measured steps, run one more (not counted) and write its timeline here as a
+    /// Chrome trace, as `run --trace-out` does. Compiled backends only.
+    #[arg(long, conflicts_with = "against")]
+    pub trace_out: Option<PathBuf>,
 }
 
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
@@ -479,10 +536,19 @@ where
     };
     // Without RUST_LOG: errors only, less wgpu's OpenGL probe, which fails on every machine
     // without a GL driver and logs that as an error, though wgpu then uses Vulkan.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error,wgpu_hal::gles=off"));
+    // With RUST_LOG, spans are logged as they close, with their time: how a compile stage or a
+    // step shows its duration.
+    let (filter, span_events) = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(filter) => (filter, tracing_subscriber::fmt::format::FmtSpan::CLOSE),
+        Err(_) => (
+            tracing_subscriber::EnvFilter::new("error,wgpu_hal::gles=off"),
+            tracing_subscriber::fmt::format::FmtSpan::NONE,
+        ),
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_span_events(span_events)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
     match run_command(cli.command, &registry) {
@@ -502,6 +568,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Bench(a) => bench(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
+        Command::Plot(a) => plot(a),
         Command::Config(ConfigCommand::Show { name }) => {
             let cfg = Llama3Config::builtin(&name).ok_or_else(|| {
                 format!(
@@ -653,6 +720,10 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         std::fs::write(&out, body).map_err(|e| format!("cannot write `{}`: {e}", out.display()))?;
         say!("wrote {}", out.display());
     }
+    if let Some(path) = a.dot {
+        crate::dot::write(&path, &crate::dot::to_dot(g))?;
+        say!("wrote {}", path.display());
+    }
     Ok(())
 }
 
@@ -735,10 +806,34 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         None => None,
     };
     let peak = crate::peak::peak(&a.train.backend, a.train.peak_gflops);
+    let metrics = match &a.metrics {
+        None => None,
+        Some(path) => {
+            let config = run_config_json(&a, &cfg, &optim);
+            Some(match &a.resume {
+                Some(_) => MetricsWriter::append(path, config, trainer.steps_done(), t0)?,
+                None => MetricsWriter::create(path, config, t0)?,
+            })
+        }
+    };
+    let trace = a.trace.trace_out.clone().map(|path| TraceTarget {
+        path,
+        step: a.trace.trace_step.unwrap_or(a.steps),
+    });
+    let mut report = StepReport::new(
+        &mut trainer,
+        a.steps,
+        (flops_per_token, a.train.lr, peak),
+        metrics,
+        trace,
+    )?;
     while trainer.steps_done() < a.steps {
+        let next = trainer.steps_done() + 1;
+        report.before(&mut trainer, next);
         let m = match trainer.step() {
             Ok(m) => m,
             Err(e) => {
+                report.finish();
                 // The failed step's update was not kept: save what came before it.
                 if let Some(path) = &a.checkpoint {
                     match save(&mut trainer) {
@@ -753,21 +848,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                 return Err(e.to_string());
             }
         };
-        let tps = m.tokens as f64 / m.seconds;
-        let gflops = tps * flops_per_token / 1e9;
-        let mfu = match &peak {
-            Some(peak) => format!("{:.1}%", 100.0 * gflops / peak.gflops),
-            None => "n/a".to_string(),
-        };
-        say!(
-            "step: {:>2} loss: {:.4} grad_norm: {:.4} memory: {:.2}MiB tps: {:.0} tflops: {:.4} mfu: {mfu}",
-            m.step,
-            m.loss,
-            m.grad_norm,
-            m.peak_bytes as f64 / MIB,
-            tps,
-            gflops / 1e3,
-        );
+        report.after(&mut trainer, &m)?;
         if let (Some(dump), Some(b)) = (&mut dump, trainer.last_batch()) {
             dump.append(m.step, b)?;
         }
@@ -775,6 +856,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             save(&mut trainer)?;
         }
     }
+    report.finish();
     save(&mut trainer)?;
     if let Some(path) = &a.checkpoint {
         say!(
@@ -784,6 +866,29 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// The run's settings for the metrics log's header.
+fn run_config_json(a: &RunArgs, cfg: &Llama3Config, optim: &OptimConfig) -> serde_json::Value {
+    let t = &a.train;
+    serde_json::json!({
+        "model": t.model.model,
+        "config": t.model.config,
+        "backend": t.backend,
+        "lowering": format!("{:?}", t.lowering).to_lowercase(),
+        "data": format!("{:?}", t.data).to_lowercase(),
+        "seed": t.seed,
+        "lr": t.lr,
+        "optimizer": format!("{:?}", optim),
+        "passes": match &t.passes.pipeline {
+            Some(file) => file.display().to_string(),
+            None => t.passes.passes.clone(),
+        },
+        "steps": a.steps,
+        "model_config": serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
+        "tokens_per_step": cfg.batch * cfg.seq_len,
+        "flops_per_token": cfg.flops_per_token(),
+    })
 }
 
 fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
@@ -799,6 +904,12 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         rss_before_load,
         ..
     } = a.train.setup(registry)?;
+    if a.trace_out.is_some() && !trainer.record_timeline(false) {
+        return Err(format!(
+            "--trace-out: backend `{}` records no timeline (the interpreter runs graph nodes, not Program steps); use a compiled backend such as cpu",
+            a.train.backend
+        ));
+    }
     let t_plan = Instant::now();
     let plan = match trainer.program() {
         Some(p) => p.plan.clone(),
@@ -874,7 +985,23 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mib_or_na(s.load_rss_growth_bytes),
         mib_or_na(s.peak_rss_bytes)
     );
-    write_json(a.json.as_deref(), &s)
+    write_json(a.json.as_deref(), &s)?;
+    if let Some(path) = &a.trace_out {
+        trainer.record_timeline(true);
+        let m = trainer.step().map_err(|e| e.to_string())?;
+        let timeline = trainer
+            .take_timeline()
+            .ok_or_else(|| format!("--trace-out: step {} recorded no timeline", m.step))?;
+        trainer.record_timeline(false);
+        crate::timeline::write_chrome_trace(path, &timeline, 0, m.step)?;
+        say!(
+            "wrote the timeline of step {} (one more after the measured ones, each of its {} Program steps waited for) to {}",
+            m.step,
+            timeline.events.len(),
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Writes a bench summary as JSON to `--json`'s file, when one was given.
@@ -994,6 +1121,7 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
             file,
             out,
             check,
+            dot,
         } => {
             let g = read_graph(&file)?;
             let spec = PipelineSpec::parse_list(&passes.join(","))?;
@@ -1014,6 +1142,10 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
                     pipeline.tier().label()
                 );
             }
+            if let Some(path) = &dot {
+                crate::dot::write(path, &crate::dot::diff_to_dot(&g, &after))?;
+                eprintln!("wrote {}", path.display());
+            }
             let body = text::print(&after);
             match out {
                 Some(path) => std::fs::write(&path, body)
@@ -1023,6 +1155,33 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+fn plot(a: PlotArgs) -> Result<(), String> {
+    match (&a.file, &a.trace) {
+        (_, Some(trace)) => {
+            let t = crate::timeline::read_trace(trace)?;
+            crate::plot::plot_trace(&t, trace, &a.out)?;
+            say!(
+                "wrote {} ({} events on {} lanes)",
+                a.out.display(),
+                t.events.len(),
+                t.lanes().len()
+            );
+        }
+        (Some(file), None) => {
+            let log = crate::metrics::read(file)?;
+            crate::plot::plot_metrics(&log, file, &a.out)?;
+            say!(
+                "wrote {} ({} steps, {} validations)",
+                a.out.display(),
+                log.steps.len(),
+                log.vals.len()
+            );
+        }
+        (None, None) => return Err("give a metrics log or --trace FILE".into()),
+    }
+    Ok(())
 }
 
 fn check(file: PathBuf) -> Result<(), String> {

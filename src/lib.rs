@@ -8,10 +8,15 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dot;
 pub mod eval;
 pub mod gate;
+pub mod metrics;
 pub mod peak;
+pub mod plot;
 pub mod replay;
+pub mod step_report;
+pub mod timeline;
 pub mod trainer;
 
 pub use graphtrain_ir as ir;

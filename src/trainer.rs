@@ -13,6 +13,7 @@ use graphtrain_models::Llama3Config;
 use graphtrain_passes::{PassRecord, Pipeline};
 use graphtrain_runtime::{
     compile, Backend, CompileOptions, Compiled, Executor, Fingerprint, RuntimeOptions, SingleRank,
+    Timeline,
 };
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -72,13 +73,16 @@ pub fn build_step(
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
     let t0 = Instant::now();
-    let traced = model
-        .trace(dtype)
+    let traced = tracing::info_span!("trace")
+        .in_scope(|| model.trace(dtype))
         .map_err(|e| err(format!("tracing failed: {e}")))?;
     let t1 = Instant::now();
-    let step = build_train_step(traced, "loss", optim).map_err(err)?;
+    let step = tracing::info_span!("autodiff")
+        .in_scope(|| build_train_step(traced, "loss", optim))
+        .map_err(err)?;
     let t2 = Instant::now();
-    verify(&step.graph)
+    tracing::info_span!("verify")
+        .in_scope(|| verify(&step.graph))
         .map_err(|e| err(format!("the train-step graph fails verification: {e}")))?;
     let t3 = Instant::now();
     Ok(Traced {
@@ -323,6 +327,17 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.exec.profile_report()
     }
 
+    /// Turns timeline recording on or off for the steps that follow (each recorded step is
+    /// waited for step by step, so it runs slower); `false` where the backend cannot record one.
+    pub fn record_timeline(&mut self, on: bool) -> bool {
+        self.exec.record_timeline(on)
+    }
+
+    /// The timeline of the last recorded step, once.
+    pub fn take_timeline(&mut self) -> Option<Timeline> {
+        self.exec.take_timeline()
+    }
+
     /// Brings parameters and state back from the executor into `slots`.
     fn pull_slots(&mut self) -> Result<(), TrainError> {
         if !self.slots_stale {
@@ -361,7 +376,8 @@ values, {} as the trainer's f64 host copies, and {} is available",
                 Feed::Carried => {}
             }
         }
-        let result = self.run_step(step_no, tokens);
+        let result =
+            tracing::info_span!("step", n = step_no).in_scope(|| self.run_step(step_no, tokens));
         match &result {
             Ok(_) => {
                 self.slots_stale = true;

@@ -207,6 +207,7 @@ impl Pipeline {
                 index: i,
                 message,
             };
+            let _span = tracing::info_span!("pass", name = pass.name(), index = i).entered();
             let t0 = Instant::now();
             let (next, report) = pass.run(&g).map_err(|e| err(e.message))?;
             let time = t0.elapsed();

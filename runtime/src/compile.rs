@@ -104,17 +104,18 @@ pub fn compile(
         return Err(RuntimeError::Unavailable(why));
     }
     let t0 = Instant::now();
-    let (optimized, passes) = options
-        .pipeline
-        .run(graph)
+    let (optimized, passes) = tracing::info_span!("passes", count = options.pipeline.passes.len())
+        .in_scope(|| options.pipeline.run(graph))
         .map_err(|e| RuntimeError::Pipeline(e.to_string()))?;
     let t1 = Instant::now();
     let program = match backend {
         Backend::Reference => None,
         Backend::Cpu | Backend::Wgpu | Backend::Cuda => {
-            let legal = legalize(&optimized, backend, options.mode)?;
+            let legal = tracing::info_span!("legalize", ?backend)
+                .in_scope(|| legalize(&optimized, backend, options.mode))?;
             let keep = |op: &graphtrain_ir::Op| backend.keeps_composite(op);
-            let program = lower_with_limits(&legal, options.mode, &keep, &options.fusion)
+            let program = tracing::info_span!("lower", mode = ?options.mode)
+                .in_scope(|| lower_with_limits(&legal, options.mode, &keep, &options.fusion))
                 .map_err(|e| RuntimeError::Lower(e.to_string()))?;
             Some(program)
         }
@@ -159,6 +160,7 @@ impl Compiled {
     /// compile on the first run).
     pub fn load(self, comm: Box<dyn Communicator>) -> Result<Box<dyn Executor>, RuntimeError> {
         let runtime = self.runtime;
+        let _span = tracing::info_span!("load", backend = ?self.backend).entered();
         Ok(match (self.backend, self.program) {
             (Backend::Reference, _) => Box::new(ReferenceExecutor::new(self.graph, comm)),
             (Backend::Cpu, Some(program)) => Box::new(CpuExecutor::new(program, runtime, comm)?),

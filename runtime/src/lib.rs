@@ -25,11 +25,13 @@ pub mod device;
 pub mod options;
 pub mod reference;
 pub mod shared;
+pub mod timeline;
 
 pub use comm::{Communicator, SingleRank};
 pub use compile::{compile, legalize, CompileOptions, CompileTimings, Compiled, Fingerprint};
 pub use options::{GemmKernel, Profile, RuntimeOptions};
 pub use reference::ReferenceExecutor;
+pub use timeline::{Timeline, TimelineEvent};
 
 use graphtrain_ir::{Graph, HostTensor, Op, ValueId};
 use graphtrain_lowering::{kept_composite, Mode, Program};
@@ -176,6 +178,15 @@ pub trait Executor {
     }
     /// Time by step kind, when the backend was asked to profile (`RuntimeOptions::profile`).
     fn profile_report(&mut self) -> Option<String> {
+        None
+    }
+    /// Turns timeline recording on or off for the runs that follow; `false` where this
+    /// executor cannot record one (the interpreter runs nodes, not Program steps).
+    fn record_timeline(&mut self, _on: bool) -> bool {
+        false
+    }
+    /// The timeline of the last run recorded, once (`None` when none was).
+    fn take_timeline(&mut self) -> Option<Timeline> {
         None
     }
 }

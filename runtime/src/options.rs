@@ -39,6 +39,9 @@ pub struct RuntimeOptions {
     /// Host memory a new allocation may use, instead of the OS's estimate of what is available
     /// (to share a machine, or to try the does-not-fit path).
     pub memory_limit_bytes: Option<usize>,
+    /// Record the timeline of every run from the first (`Executor::take_timeline`); executors
+    /// also turn it on and off later with `Executor::record_timeline`.
+    pub timeline: bool,
 }
 
 impl RuntimeOptions {

@@ -29,6 +29,7 @@ use crate::shared::launches::{Grid, Launches};
 use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
 use crate::shared::rope_tables::{TableKey, Tables};
 use crate::shared::{check_input, iota_value, random_value};
+use crate::timeline::{self, Recorder, Timeline};
 use crate::{Communicator, Executor, RuntimeError};
 use cubecl::cpu::compute::server::CpuServer;
 use cubecl::prelude::*;
@@ -79,6 +80,8 @@ pub struct CpuExecutor {
     /// `Profile::EachStep`: every step other than a matmul is its own profile entry, with its
     /// index and what it does.
     profile_each_step: bool,
+    /// Present while timeline recording is on: one `Option` test per step otherwise.
+    timeline: Option<Recorder>,
     /// The GEMM kernel matmuls and attention's products run on.
     gemm: gemm::GemmKernel,
     comm: Box<dyn Communicator>,
@@ -146,6 +149,7 @@ memory is available to the cpu backend",
             first_run: None,
             profile: (options.profile != Profile::Off).then(Vec::new),
             profile_each_step: options.profile == Profile::EachStep,
+            timeline: options.timeline.then(Recorder::default),
             gemm: options.gemm_kernel,
             comm,
         };
@@ -665,12 +669,18 @@ impl Executor for CpuExecutor {
     fn run(&mut self) -> Result<(), RuntimeError> {
         let started = Instant::now();
         let steps = std::mem::take(&mut self.program.steps);
+        if let Some(r) = self.timeline.as_mut() {
+            r.begin();
+        }
         let result = (|| {
             for (i, step) in steps.iter().enumerate() {
                 let t = Instant::now();
-                self.run_step(i, step)?;
-                if self.profile.is_some() {
+                let lane = self.run_step(i, step)?;
+                if self.profile.is_some() || self.timeline.is_some() {
                     self.sync()?;
+                }
+                if let Some(r) = self.timeline.as_mut() {
+                    r.record(i, lane, t);
                 }
                 // The first run compiles kernels; it is left out of the profile.
                 if let Some(p) = self.profile.as_mut().filter(|_| self.first_run.is_some()) {
@@ -692,6 +702,9 @@ impl Executor for CpuExecutor {
             self.sync()
         })();
         self.program.steps = steps;
+        if let Some(r) = self.timeline.as_mut() {
+            r.finish(&self.program);
+        }
         if self.first_run.is_none() {
             self.first_run = Some(started.elapsed());
         }
@@ -706,13 +719,26 @@ impl Executor for CpuExecutor {
         let shown = if self.profile_each_step { 120 } else { 30 };
         Some(profile_report(self.profile.as_mut()?, shown))
     }
+
+    fn record_timeline(&mut self, on: bool) -> bool {
+        match (on, self.timeline.is_some()) {
+            (true, false) => self.timeline = Some(Recorder::default()),
+            (false, true) => self.timeline = None,
+            _ => {}
+        }
+        true
+    }
+
+    fn take_timeline(&mut self) -> Option<Timeline> {
+        self.timeline.as_mut()?.take()
+    }
 }
 
 impl CpuExecutor {
     /// Runs step `i`. A kernel step of a captured region runs its bound launches directly; any
     /// other kernel step is dispatched through cubecl; matmul and host steps run here, after
-    /// the dispatched launches they may depend on.
-    fn run_step(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
+    /// the dispatched launches they may depend on. Returns the timeline lane it ran on.
+    fn run_step(&mut self, i: usize, step: &Step) -> Result<u32, RuntimeError> {
         let captured = self
             .program
             .step_regions
@@ -725,7 +751,7 @@ impl CpuExecutor {
             for launch in self.bound[i].as_ref().into_iter().flatten() {
                 launch.run(Pool::global());
             }
-            return Ok(());
+            return Ok(timeline::KERNELS);
         }
         match self.launches().kernel_calls(step)? {
             Some(calls) if captured => {
@@ -740,7 +766,7 @@ impl CpuExecutor {
                     )?);
                 }
                 self.bound[i] = Some(bound);
-                self.run_step(i, step)?;
+                self.run_step(i, step)
             }
             Some(calls) => {
                 for call in &calls {
@@ -749,6 +775,7 @@ impl CpuExecutor {
                     unsafe { call.dispatch(&self.client, &self.arena, self.len) };
                 }
                 self.queued |= !calls.is_empty();
+                Ok(timeline::KERNELS)
             }
             None => match step {
                 Step::Matmul {
@@ -759,11 +786,16 @@ impl CpuExecutor {
                     m,
                     n,
                     k,
-                } => self.matmul(*out, a, b, *batch, *m, *n, *k)?,
-                _ => self.host_step(step)?,
+                } => {
+                    self.matmul(*out, a, b, *batch, *m, *n, *k)?;
+                    Ok(timeline::HOST)
+                }
+                _ => {
+                    self.host_step(step)?;
+                    Ok(timeline::HOST)
+                }
             },
         }
-        Ok(())
     }
 }
 

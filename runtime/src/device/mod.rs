@@ -29,6 +29,7 @@ use crate::shared::launches::{Grid, Launches};
 use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
 use crate::shared::rope_tables::{TableKey, Tables};
 use crate::shared::{check_input, iota_value, random_value};
+use crate::timeline::{self, Recorder, Timeline};
 use crate::{Communicator, Executor, RuntimeError};
 use composites::{
     adamw_kernel, attention_dq_kernel, attention_kernel, attention_kv_backward_kernel,
@@ -129,6 +130,8 @@ pub struct DeviceExecutor {
     /// With a `Profile` asked for, every step is waited for and timed (after the first run,
     /// which compiles the kernels).
     profile: Option<Vec<ProfileEntry>>,
+    /// Present while timeline recording is on: one `Option` test per step otherwise.
+    timeline: Option<Recorder>,
     runs: usize,
     /// The last value written from the host into each one-element input that no output
     /// replaces (the step count, the learning rate): what a host-side computation reads
@@ -172,6 +175,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             len,
             tail,
             profile: (options.profile != Profile::Off).then(Vec::new),
+            timeline: options.timeline.then(Recorder::default),
             runs: 0,
             host_scalars: HashMap::new(),
             comm,
@@ -1019,11 +1023,17 @@ impl Executor for DeviceExecutor {
 
     fn run(&mut self) -> Result<(), RuntimeError> {
         let steps = std::mem::take(&mut self.program.steps);
+        if let Some(r) = self.timeline.as_mut() {
+            r.begin();
+        }
         let result = steps.iter().enumerate().try_for_each(|(i, step)| {
             let started = Instant::now();
             self.run_step(i, step)?;
-            if self.profile.is_some() {
+            if self.profile.is_some() || self.timeline.is_some() {
                 self.sync()?;
+            }
+            if let Some(r) = self.timeline.as_mut() {
+                r.record(i, timeline::KERNELS, started);
             }
             if let Some(p) = self.profile.as_mut().filter(|_| self.runs > 0) {
                 let (key, flops) = profile_key(&self.program, step);
@@ -1038,6 +1048,9 @@ impl Executor for DeviceExecutor {
             Ok(())
         });
         self.program.steps = steps;
+        if let Some(r) = self.timeline.as_mut() {
+            r.finish(&self.program);
+        }
         self.runs += 1;
         result?;
         self.sync()
@@ -1045,6 +1058,19 @@ impl Executor for DeviceExecutor {
 
     fn profile_report(&mut self) -> Option<String> {
         Some(profile_report(self.profile.as_mut()?, 30))
+    }
+
+    fn record_timeline(&mut self, on: bool) -> bool {
+        match (on, self.timeline.is_some()) {
+            (true, false) => self.timeline = Some(Recorder::default()),
+            (false, true) => self.timeline = None,
+            _ => {}
+        }
+        true
+    }
+
+    fn take_timeline(&mut self) -> Option<Timeline> {
+        self.timeline.as_mut()?.take()
     }
 
     fn memory_bytes(&self) -> usize {
