@@ -7,7 +7,7 @@
 //! already rounded to their dtype, so the round trip is exact and a resumed run is bitwise
 //! identical to an uninterrupted one (`tests/checkpoint.rs`).
 
-use crate::data::DataMode;
+use crate::data::DataSource;
 use graphtrain_ir::interp::HostTensor;
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::{DType, TensorType};
@@ -28,11 +28,17 @@ pub struct RunIdentity {
 }
 
 impl RunIdentity {
-    pub fn new(model: &Llama3Config, seed: u64, data: DataMode, optim: &OptimConfig) -> Self {
+    /// `data` is a `DataSource` or a `DataMode`; its identity string is recorded.
+    pub fn new(
+        model: &Llama3Config,
+        seed: u64,
+        data: impl Into<DataSource>,
+        optim: &OptimConfig,
+    ) -> Self {
         RunIdentity {
             model: model.clone(),
             seed,
-            data: format!("{data:?}").to_lowercase(),
+            data: data.into().identity(),
             optim: *optim,
         }
     }

@@ -3,7 +3,10 @@
 
 use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
-use crate::data::DataMode;
+use crate::data::prepare::{default_cache_dir, prepare_tokens, PrepareOptions};
+use crate::data::text::DEFAULT_VAL_FRACTION;
+use crate::data::tokenizer::{TextTokenizer, DEFAULT_VOCAB_SIZE};
+use crate::data::{DataSource, TextData};
 use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
@@ -87,6 +90,136 @@ pub enum Command {
     /// Graph passes: list them, explain one, apply a pipeline to a graph file.
     #[command(subcommand)]
     Passes(PassesCommand),
+    /// Tokenizers: train a byte-level BPE on a corpus, encode and decode text.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Training text: tokenize a corpus into the cache and report its size.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenizerCommand {
+    /// Train a byte-level BPE (with the special token `<|endoftext|>`) on a corpus and write its
+    /// tokenizer.json. A small corpus may give fewer tokens than asked.
+    Train {
+        /// A text file or a folder of text files (each file one document).
+        #[arg(long)]
+        corpus: PathBuf,
+        /// Largest vocab size, `<|endoftext|>` included (at least 257).
+        #[arg(long, default_value_t = DEFAULT_VOCAB_SIZE)]
+        vocab_size: usize,
+        /// Where to write the tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the token ids of TEXT, space-separated.
+    Encode {
+        /// A tokenizer.json.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        text: String,
+    },
+    /// Print the text of token IDS.
+    Decode {
+        /// A tokenizer.json.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        #[arg(required = true)]
+        ids: Vec<u32>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DataCommand {
+    /// Tokenize a corpus once (training a BPE unless --tokenizer is given), cache the tokens and
+    /// print the document, token, row and split counts.
+    Prepare {
+        #[command(flatten)]
+        text: TextDataArgs,
+        /// A text file, a folder of text files, or a `*.tokens` file.
+        #[arg(long)]
+        data: PathBuf,
+        /// Vocab size of the BPE trained when no --tokenizer is given.
+        #[arg(long, default_value_t = DEFAULT_VOCAB_SIZE)]
+        vocab_size: usize,
+        /// Sequence length: with it, rows of seq_len + 1 tokens and the split are reported.
+        #[arg(long)]
+        seq_len: Option<usize>,
+    },
+}
+
+/// How a text corpus becomes tokens; shared by `run`, `bench` and `data prepare`.
+#[derive(clap::Args, Debug)]
+pub struct TextDataArgs {
+    /// A tokenizer.json to tokenize the text with (default: a byte-level BPE trained on the
+    /// corpus, cached in --data-cache). With a `*.tokens` file, checked to be the one that made it.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Fraction of the text's rows held out for validation (the last rows; at least one).
+    #[arg(long, default_value_t = DEFAULT_VAL_FRACTION)]
+    pub val_fraction: f64,
+    /// Cache folder for trained tokenizers and token files
+    /// (default: $XDG_CACHE_HOME/graphtrain, else ~/.cache/graphtrain).
+    #[arg(long)]
+    pub data_cache: Option<PathBuf>,
+}
+
+impl TextDataArgs {
+    fn options(&self, data: &Path, vocab_size: usize) -> Result<PrepareOptions, String> {
+        Ok(PrepareOptions {
+            data: data.to_path_buf(),
+            tokenizer: self.tokenizer.clone(),
+            vocab_size,
+            cache_dir: match &self.data_cache {
+                Some(d) => d.clone(),
+                None => default_cache_dir()?,
+            },
+        })
+    }
+
+    /// Whether any flag differs from its default (they only apply to text).
+    fn any_given(&self, vocab_size: Option<usize>) -> Option<&'static str> {
+        if self.tokenizer.is_some() {
+            Some("--tokenizer")
+        } else if self.data_cache.is_some() {
+            Some("--data-cache")
+        } else if self.val_fraction != DEFAULT_VAL_FRACTION {
+            Some("--val-fraction")
+        } else if vocab_size.is_some() {
+            Some("--vocab-size")
+        } else {
+            None
+        }
+    }
+}
+
+/// `--data`: synthetic tokens or a path to text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataArg {
+    Random,
+    Fixed,
+    Path(PathBuf),
+}
+
+impl std::fmt::Display for DataArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataArg::Random => f.write_str("random"),
+            DataArg::Fixed => f.write_str("fixed"),
+            DataArg::Path(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+fn parse_data_arg(s: &str) -> Result<DataArg, String> {
+    match s {
+        "random" => Ok(DataArg::Random),
+        "fixed" => Ok(DataArg::Fixed),
+        "" => Err("expected `random`, `fixed` or a path".to_string()),
+        // `./random` reaches a file named `random`.
+        path => Ok(DataArg::Path(PathBuf::from(path))),
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -259,9 +392,21 @@ pub struct TrainArgs {
     /// numerics baseline).
     #[arg(long, value_enum, default_value = "fused")]
     pub lowering: LoweringMode,
-    /// Training data: a fresh random batch per step, or the same batch every step.
-    #[arg(long, value_enum, default_value = "random")]
-    pub data: DataMode,
+    /// Training data: `random` (a fresh batch of random tokens per step), `fixed` (the same
+    /// random batch every step), or a PATH: a text file, a folder of text files (each file one
+    /// document, sorted by path), or a `*.tokens` file graphtrain wrote. Text is tokenized once
+    /// (cached in --data-cache), cut into rows of seq_len + 1 tokens, the last --val-fraction of
+    /// rows held out, and training rows drawn in a per-epoch shuffle seeded by --seed. The
+    /// tokenizer's vocab may be smaller than the model's vocab_size (extra embedding rows stay
+    /// unused), not larger.
+    #[arg(long, default_value = "random", value_parser = parse_data_arg)]
+    pub data: DataArg,
+    #[command(flatten)]
+    pub text: TextDataArgs,
+    /// Vocab size of the BPE trained on a --data PATH when no --tokenizer is given
+    /// (default: the model config's vocab_size).
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
     /// Seed of parameter init and data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -288,6 +433,8 @@ fn positive_gflops(s: &str) -> Result<f64, String> {
 
 /// A trainer built from the shared flags, with what went into it.
 struct Setup {
+    /// What the text data is, for the run's log (none for synthetic data).
+    data_report: Option<String>,
     /// Resident memory just before the step was loaded onto its backend.
     rss_before_load: Option<usize>,
     cfg: Llama3Config,
@@ -345,6 +492,69 @@ impl TrainArgs {
         self.setup_with(self.passes.pipeline(registry)?)
     }
 
+    /// The batches' source; for text, also a line saying what was read, cached and split.
+    fn data_source(&self, cfg: &Llama3Config) -> Result<(DataSource, Option<String>), String> {
+        let path = match &self.data {
+            DataArg::Random | DataArg::Fixed => {
+                if let Some(flag) = self.text.any_given(self.vocab_size) {
+                    return Err(format!(
+                        "{flag} applies to text data (--data PATH), not to --data {}",
+                        self.data
+                    ));
+                }
+                let source = match self.data {
+                    DataArg::Random => DataSource::Random,
+                    _ => DataSource::Fixed,
+                };
+                return Ok((source, None));
+            }
+            DataArg::Path(p) => p,
+        };
+        let vocab_size = self.vocab_size.unwrap_or(cfg.vocab_size);
+        if vocab_size > cfg.vocab_size {
+            return Err(format!(
+                "--vocab-size {vocab_size} is larger than the model config's vocab_size {}",
+                cfg.vocab_size
+            ));
+        }
+        let opts = self.text.options(path, vocab_size)?;
+        let (tokens, report) = prepare_tokens(&opts)?;
+        let text = TextData::new(tokens, cfg.seq_len, self.text.val_fraction)
+            .map_err(|e| format!("--data {}: {e}", path.display()))?;
+        if text.vocab_size() > cfg.vocab_size {
+            return Err(format!(
+                "--data {}: the tokenizer's vocab size {} is larger than the model config's vocab_size {}",
+                path.display(),
+                text.vocab_size(),
+                cfg.vocab_size
+            ));
+        }
+        let mut line = format!(
+            "data: {} | {}{} tokens, {} rows of {} (train {}, val {}) | tokenizer {}, vocab {} | tokens {}",
+            path.display(),
+            match report.documents {
+                Some(d) => format!("{d} documents, "),
+                None => String::new(),
+            },
+            text.tokens().len(),
+            text.train_rows() + text.val_rows(),
+            cfg.seq_len + 1,
+            text.train_rows(),
+            text.val_rows(),
+            report.tokenizer,
+            text.vocab_size(),
+            report.tokens
+        );
+        if text.vocab_size() < cfg.vocab_size {
+            line += &format!(
+                "\nnote: the tokenizer has {} tokens, the model's vocab_size is {}: the other embedding rows stay unused",
+                text.vocab_size(),
+                cfg.vocab_size
+            );
+        }
+        Ok((DataSource::Text(std::sync::Arc::new(text)), Some(line)))
+    }
+
     /// `setup` with another pipeline than the flags give.
     fn setup_with(&self, pipeline: Pipeline) -> Result<Setup, String> {
         let cfg = model_config(&self.model)?;
@@ -356,10 +566,11 @@ impl TrainArgs {
         if let Some(why) = backend.unavailable() {
             return Err(why);
         }
+        let (data, data_report) = self.data_source(&cfg)?;
         let trainer = Trainer::build(
             &cfg,
             TrainConfig {
-                data: self.data,
+                data,
                 seed: self.seed,
                 lr: self.lr,
                 optim,
@@ -376,6 +587,7 @@ impl TrainArgs {
         let rss_before_load = trainer.rss_before_load;
         let load_time = trainer.timings.lower + trainer.timings.load;
         Ok(Setup {
+            data_report,
             rss_before_load,
             cfg,
             optim,
@@ -480,6 +692,8 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Bench(a) => bench(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
+        Command::Tokenizer(c) => tokenizer_command(c),
+        Command::Data(c) => data_command(c),
         Command::Config(ConfigCommand::Show { name }) => {
             let cfg = Llama3Config::builtin(&name).ok_or_else(|| {
                 format!(
@@ -640,9 +854,13 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         cfg,
         optim,
         mut trainer,
+        data_report,
         ..
     } = a.train.setup(registry)?;
-    let run_id = RunIdentity::new(&cfg, a.train.seed, a.train.data, &optim);
+    let run_id = RunIdentity::new(&cfg, a.train.seed, trainer.data().clone(), &optim);
+    if let Some(line) = data_report {
+        say!("{line}");
+    }
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
     let predicted = graphtrain_passes::memory::profile(&trainer.graph);
@@ -662,7 +880,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         );
     }
     say!(
-        "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
+        "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {} seed {} lr {} | built in {:.2}s",
         a.train.model.model,
         a.train.model.config,
         a.train.backend,
@@ -1005,5 +1223,87 @@ fn duration(seconds: f64) -> String {
         format!("{:.3}ms", seconds * 1e3)
     } else {
         format!("{seconds:.3}s")
+    }
+}
+
+fn tokenizer_command(c: TokenizerCommand) -> Result<(), String> {
+    match c {
+        TokenizerCommand::Train {
+            corpus,
+            vocab_size,
+            out,
+        } => {
+            let t0 = Instant::now();
+            let docs = crate::data::corpus::Corpus::read(&corpus)?;
+            let tok = TextTokenizer::train_bpe(
+                docs.documents.iter().map(|d| d.text.as_str()),
+                vocab_size,
+            )?;
+            tok.save(&out)?;
+            say!(
+                "trained a byte-level BPE on {} ({} documents, {} bytes) in {:.2}s: vocab {} (asked {vocab_size}), <|endoftext|> = {}, fingerprint {:016x}; wrote {}",
+                corpus.display(),
+                docs.documents.len(),
+                docs.bytes(),
+                t0.elapsed().as_secs_f64(),
+                tok.vocab_size(),
+                tok.eot(),
+                tok.fingerprint(),
+                out.display()
+            );
+            Ok(())
+        }
+        TokenizerCommand::Encode { tokenizer, text } => {
+            let tok = TextTokenizer::load(&tokenizer)?;
+            let ids: Vec<String> = tok.encode(&text)?.iter().map(|i| i.to_string()).collect();
+            say!("{}", ids.join(" "));
+            Ok(())
+        }
+        TokenizerCommand::Decode { tokenizer, ids } => {
+            let tok = TextTokenizer::load(&tokenizer)?;
+            say!("{}", tok.decode(&ids)?);
+            Ok(())
+        }
+    }
+}
+
+fn data_command(c: DataCommand) -> Result<(), String> {
+    match c {
+        DataCommand::Prepare {
+            text,
+            data,
+            vocab_size,
+            seq_len,
+        } => {
+            let t0 = Instant::now();
+            let (tokens, report) = prepare_tokens(&text.options(&data, vocab_size)?)?;
+            say!(
+                "{}{} tokens, vocab {}, <|endoftext|> = {} | tokenizer {} | tokens {} | {:.2}s (tokenizer {:.2}s, tokenizing {:.2}s)",
+                match (report.documents, report.bytes) {
+                    (Some(d), Some(b)) => format!("{d} documents, {b} bytes, "),
+                    _ => String::new(),
+                },
+                tokens.len(),
+                tokens.header.vocab_size,
+                tokens.header.eot,
+                report.tokenizer,
+                report.tokens,
+                t0.elapsed().as_secs_f64(),
+                report.seconds_tokenizer,
+                report.seconds_tokenize
+            );
+            if let Some(seq_len) = seq_len {
+                let t = TextData::new(tokens, seq_len, text.val_fraction)?;
+                say!(
+                    "seq_len {seq_len}: {} rows of {} tokens: train {}, val {}; identity {}",
+                    t.train_rows() + t.val_rows(),
+                    seq_len + 1,
+                    t.train_rows(),
+                    t.val_rows(),
+                    t.identity()
+                );
+            }
+            Ok(())
+        }
     }
 }
