@@ -381,7 +381,7 @@ fn too_little_text_and_too_small_vocab_are_refused() {
 fn tokenizer_larger_than_the_model_vocab_is_refused() {
     let tokens =
         TokenFile::from_ids(header(300, 256), (0..200).map(|i| i % 300).collect()).unwrap();
-    let data = DataSource::Text(Arc::new(TextData::new(tokens, 16, 0.1).unwrap()));
+    let data = DataSource::Text(Arc::new(TextData::new(tokens, 16, 0.2).unwrap()));
     let cfg = || TrainConfig {
         data: data.clone(),
         seed: 0,
