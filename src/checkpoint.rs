@@ -19,7 +19,7 @@
 //! safetensors readers (Python's `safetensors`, numpy) read the tensors as they are; they ignore
 //! the metadata.
 
-use crate::data::DataMode;
+use crate::data::DataSource;
 use graphtrain_ir::interp::HostTensor;
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::{DType, TensorType};
@@ -52,11 +52,17 @@ pub struct RunIdentity {
 }
 
 impl RunIdentity {
-    pub fn new(model: &Llama3Config, seed: u64, data: DataMode, optim: &OptimConfig) -> Self {
+    /// `data` is a `DataSource` or a `DataMode`; its identity string is recorded.
+    pub fn new(
+        model: &Llama3Config,
+        seed: u64,
+        data: impl Into<DataSource>,
+        optim: &OptimConfig,
+    ) -> Self {
         RunIdentity {
             model: model.clone(),
             seed,
-            data: format!("{data:?}").to_lowercase(),
+            data: data.into().identity(),
             optim: *optim,
         }
     }

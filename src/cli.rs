@@ -3,7 +3,11 @@
 
 use crate::checkpoint::{self, RunIdentity};
 use crate::config::{check_model, config_to_ron, load_config};
-use crate::data::DataMode;
+use crate::data::prepare::{default_cache_dir, prepare_tokens, PrepareOptions};
+use crate::data::text::DEFAULT_VAL_FRACTION;
+use crate::data::tokenizer::{TextTokenizer, DEFAULT_VOCAB_SIZE};
+use crate::data::{DataSource, TextData};
+use crate::eval::{sample_text, Sampling, Validator};
 use crate::metrics::MetricsWriter;
 use crate::replay::{self, BatchDump};
 use crate::step_report::{StepReport, TraceTarget};
@@ -11,7 +15,7 @@ use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
-use graphtrain_ir::{text, verify, DType, Graph, Phase};
+use graphtrain_ir::{text, verify, DType, Graph, HostTensor, Phase};
 use graphtrain_lowering::{plan_buffers, Mode};
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
@@ -98,6 +102,138 @@ pub enum Command {
     /// Draw a metrics log (`run --metrics`) as panels against step: loss and validation loss,
     /// tokens/s, memory; or, with --trace, a timeline (`run --trace-out`) as lanes.
     Plot(PlotArgs),
+    /// Sample text from a checkpoint of a run on text data (its tokenizer travels with it).
+    Generate(GenerateArgs),
+    /// Tokenizers: train a byte-level BPE on a corpus, encode and decode text.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Training text: tokenize a corpus into the cache and report its size.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenizerCommand {
+    /// Train a byte-level BPE (with the special token `<|endoftext|>`) on a corpus and write its
+    /// tokenizer.json. A small corpus may give fewer tokens than asked.
+    Train {
+        /// A text file or a folder of text files (each file one document).
+        #[arg(long)]
+        corpus: PathBuf,
+        /// Largest vocab size, `<|endoftext|>` included (at least 257).
+        #[arg(long, default_value_t = DEFAULT_VOCAB_SIZE)]
+        vocab_size: usize,
+        /// Where to write the tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the token ids of TEXT, space-separated.
+    Encode {
+        /// A tokenizer.json.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        text: String,
+    },
+    /// Print the text of token IDS.
+    Decode {
+        /// A tokenizer.json.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        #[arg(required = true)]
+        ids: Vec<u32>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DataCommand {
+    /// Tokenize a corpus once (training a BPE unless --tokenizer is given), cache the tokens and
+    /// print the document, token, row and split counts.
+    Prepare {
+        #[command(flatten)]
+        text: TextDataArgs,
+        /// A text file, a folder of text files, or a `*.tokens` file.
+        #[arg(long)]
+        data: PathBuf,
+        /// Vocab size of the BPE trained when no --tokenizer is given.
+        #[arg(long, default_value_t = DEFAULT_VOCAB_SIZE)]
+        vocab_size: usize,
+        /// Sequence length: with it, rows of seq_len + 1 tokens and the split are reported.
+        #[arg(long)]
+        seq_len: Option<usize>,
+    },
+}
+
+/// How a text corpus becomes tokens; shared by `run`, `bench` and `data prepare`.
+#[derive(clap::Args, Debug)]
+pub struct TextDataArgs {
+    /// A tokenizer.json to tokenize the text with (default: a byte-level BPE trained on the
+    /// corpus, cached in --data-cache). With a `*.tokens` file, checked to be the one that made it.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Fraction of the text's rows held out for validation (the last rows; at least one).
+    #[arg(long, default_value_t = DEFAULT_VAL_FRACTION)]
+    pub val_fraction: f64,
+    /// Cache folder for trained tokenizers and token files
+    /// (default: $XDG_CACHE_HOME/graphtrain, else ~/.cache/graphtrain).
+    #[arg(long)]
+    pub data_cache: Option<PathBuf>,
+}
+
+impl TextDataArgs {
+    fn options(&self, data: &Path, vocab_size: usize) -> Result<PrepareOptions, String> {
+        Ok(PrepareOptions {
+            data: data.to_path_buf(),
+            tokenizer: self.tokenizer.clone(),
+            vocab_size,
+            cache_dir: match &self.data_cache {
+                Some(d) => d.clone(),
+                None => default_cache_dir()?,
+            },
+        })
+    }
+
+    /// Whether any flag differs from its default (they only apply to text).
+    fn any_given(&self, vocab_size: Option<usize>) -> Option<&'static str> {
+        if self.tokenizer.is_some() {
+            Some("--tokenizer")
+        } else if self.data_cache.is_some() {
+            Some("--data-cache")
+        } else if self.val_fraction != DEFAULT_VAL_FRACTION {
+            Some("--val-fraction")
+        } else if vocab_size.is_some() {
+            Some("--vocab-size")
+        } else {
+            None
+        }
+    }
+}
+
+/// `--data`: synthetic tokens or a path to text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataArg {
+    Random,
+    Fixed,
+    Path(PathBuf),
+}
+
+impl std::fmt::Display for DataArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataArg::Random => f.write_str("random"),
+            DataArg::Fixed => f.write_str("fixed"),
+            DataArg::Path(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+fn parse_data_arg(s: &str) -> Result<DataArg, String> {
+    match s {
+        "random" => Ok(DataArg::Random),
+        "fixed" => Ok(DataArg::Fixed),
+        "" => Err("expected `random`, `fixed` or a path".to_string()),
+        // `./random` reaches a file named `random`.
+        path => Ok(DataArg::Path(PathBuf::from(path))),
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -292,9 +428,21 @@ pub struct TrainArgs {
     /// numerics baseline).
     #[arg(long, value_enum, default_value = "fused")]
     pub lowering: LoweringMode,
-    /// Training data: a fresh random batch per step, or the same batch every step.
-    #[arg(long, value_enum, default_value = "random")]
-    pub data: DataMode,
+    /// Training data: `random` (a fresh batch of random tokens per step), `fixed` (the same
+    /// random batch every step), or a PATH: a text file, a folder of text files (each file one
+    /// document, sorted by path), or a `*.tokens` file graphtrain wrote. Text is tokenized once
+    /// (cached in --data-cache), cut into rows of seq_len + 1 tokens, the last --val-fraction of
+    /// rows held out, and training rows drawn in a per-epoch shuffle seeded by --seed. The
+    /// tokenizer's vocab may be smaller than the model's vocab_size (extra embedding rows stay
+    /// unused), not larger.
+    #[arg(long, default_value = "random", value_parser = parse_data_arg)]
+    pub data: DataArg,
+    #[command(flatten)]
+    pub text: TextDataArgs,
+    /// Vocab size of the BPE trained on a --data PATH when no --tokenizer is given
+    /// (default: the model config's vocab_size).
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
     /// Seed of parameter init and data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -321,6 +469,10 @@ fn positive_gflops(s: &str) -> Result<f64, String> {
 
 /// A trainer built from the shared flags, with what went into it.
 struct Setup {
+    /// What the text data is, for the run's log (none for synthetic data).
+    data_report: Option<String>,
+    /// The text data's tokenizer, when known: for samples, and carried in checkpoints.
+    tokenizer: Option<TextTokenizer>,
     /// Resident memory just before the step was loaded onto its backend.
     rss_before_load: Option<usize>,
     cfg: Llama3Config,
@@ -379,6 +531,76 @@ impl TrainArgs {
         self.setup_with(self.passes.pipeline(registry)?)
     }
 
+    /// The batches' source; for text, also a line saying what was read, cached and split.
+    fn data_source(
+        &self,
+        cfg: &Llama3Config,
+    ) -> Result<(DataSource, Option<String>, Option<TextTokenizer>), String> {
+        let path = match &self.data {
+            DataArg::Random | DataArg::Fixed => {
+                if let Some(flag) = self.text.any_given(self.vocab_size) {
+                    return Err(format!(
+                        "{flag} applies to text data (--data PATH), not to --data {}",
+                        self.data
+                    ));
+                }
+                let source = match self.data {
+                    DataArg::Random => DataSource::Random,
+                    _ => DataSource::Fixed,
+                };
+                return Ok((source, None, None));
+            }
+            DataArg::Path(p) => p,
+        };
+        let vocab_size = self.vocab_size.unwrap_or(cfg.vocab_size);
+        if vocab_size > cfg.vocab_size {
+            return Err(format!(
+                "--vocab-size {vocab_size} is larger than the model config's vocab_size {}",
+                cfg.vocab_size
+            ));
+        }
+        let opts = self.text.options(path, vocab_size)?;
+        let (tokens, report) = prepare_tokens(&opts)?;
+        let text = TextData::new(tokens, cfg.seq_len, self.text.val_fraction)
+            .map_err(|e| format!("--data {}: {e}", path.display()))?;
+        if text.vocab_size() > cfg.vocab_size {
+            return Err(format!(
+                "--data {}: the tokenizer's vocab size {} is larger than the model config's vocab_size {}",
+                path.display(),
+                text.vocab_size(),
+                cfg.vocab_size
+            ));
+        }
+        let mut line = format!(
+            "data: {} | {}{} tokens, {} rows of {} (train {}, val {}) | tokenizer {}, vocab {} | tokens {}",
+            path.display(),
+            match report.documents {
+                Some(d) => format!("{d} documents, "),
+                None => String::new(),
+            },
+            text.tokens().len(),
+            text.train_rows() + text.val_rows(),
+            cfg.seq_len + 1,
+            text.train_rows(),
+            text.val_rows(),
+            report.tokenizer,
+            text.vocab_size(),
+            report.tokens
+        );
+        if text.vocab_size() < cfg.vocab_size {
+            line += &format!(
+                "\nnote: the tokenizer has {} tokens, the model's vocab_size is {}: the other embedding rows stay unused",
+                text.vocab_size(),
+                cfg.vocab_size
+            );
+        }
+        Ok((
+            DataSource::Text(std::sync::Arc::new(text)),
+            Some(line),
+            report.tokenizer_used,
+        ))
+    }
+
     /// `setup` with another pipeline than the flags give.
     fn setup_with(&self, pipeline: Pipeline) -> Result<Setup, String> {
         let cfg = model_config(&self.model)?;
@@ -390,10 +612,11 @@ impl TrainArgs {
         if let Some(why) = backend.unavailable() {
             return Err(why);
         }
+        let (data, data_report, tokenizer) = self.data_source(&cfg)?;
         let trainer = Trainer::build(
             &cfg,
             TrainConfig {
-                data: self.data,
+                data,
                 seed: self.seed,
                 lr: self.lr,
                 optim,
@@ -410,6 +633,8 @@ impl TrainArgs {
         let rss_before_load = trainer.rss_before_load;
         let load_time = trainer.timings.lower + trainer.timings.load;
         Ok(Setup {
+            data_report,
+            tokenizer,
             rss_before_load,
             cfg,
             optim,
@@ -463,6 +688,76 @@ pub struct RunArgs {
     pub metrics: Option<PathBuf>,
     #[command(flatten)]
     pub trace: TraceOutArgs,
+    #[command(flatten)]
+    pub eval: EvalArgs,
+}
+
+/// Validation and a sample during `run` (text data).
+#[derive(clap::Args, Debug)]
+pub struct EvalArgs {
+    /// Validate every N steps, and after the last, on the held-out split of text data: the mean
+    /// cross-entropy of a forward-only graph traced from the same model (no backward, no
+    /// optimizer) and its perplexity. Default with text data: 100; 0: only after the last step.
+    /// Synthetic data (random, fixed) has no held-out split.
+    #[arg(long)]
+    pub val_every: Option<u64>,
+    /// Batches per validation: the first N of the held-out split, always the same ones (0: all).
+    #[arg(long, default_value_t = 20)]
+    pub val_batches: usize,
+    /// After the last step, print a sample of N tokens continuing --prompt (text data whose
+    /// tokenizer is known).
+    #[arg(long, default_value_t = 0)]
+    pub sample_tokens: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// How samples are drawn (`run --sample-tokens`, `generate`).
+#[derive(clap::Args, Debug)]
+pub struct SamplingArgs {
+    /// The text a sample continues.
+    #[arg(long, default_value = "\\n")]
+    pub prompt: String,
+    /// Softmax temperature; 0 picks the most likely token every time.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Draw from the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Seed of the draws: the same weights, prompt and seed give the same text.
+    #[arg(long, default_value_t = 0)]
+    pub sample_seed: u64,
+}
+
+impl SamplingArgs {
+    fn sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            seed: self.sample_seed,
+        }
+    }
+
+    /// The prompt with `\n` written as a newline, as a shell passes it.
+    fn prompt(&self) -> String {
+        self.prompt.replace("\\n", "\n")
+    }
+}
+
+/// `graphtrain generate`: text from a checkpoint.
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// A checkpoint written by `run --checkpoint` on text data (it carries its tokenizer).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    /// Backend that runs the forward pass (reference, cpu, wgpu, cuda).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
 }
 
 /// Which step's timeline `run` writes, and where.
@@ -569,6 +864,9 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
+        Command::Generate(a) => generate(a),
+        Command::Tokenizer(c) => tokenizer_command(c),
+        Command::Data(c) => data_command(c),
         Command::Config(ConfigCommand::Show { name }) => {
             let cfg = Llama3Config::builtin(&name).ok_or_else(|| {
                 format!(
@@ -733,9 +1031,49 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         cfg,
         optim,
         mut trainer,
+        data_report,
+        tokenizer,
         ..
     } = a.train.setup(registry)?;
-    let run_id = RunIdentity::new(&cfg, a.train.seed, a.train.data, &optim);
+    let run_id = RunIdentity::new(&cfg, a.train.seed, trainer.data().clone(), &optim);
+    if let Some(line) = data_report {
+        say!("{line}");
+    }
+    let backend: Backend = a.train.backend.parse()?;
+    let runtime = runtime_options_from_env()?;
+    let text_data = trainer.data().text().is_some();
+    let mut validator = match (a.eval.val_every, text_data) {
+        (Some(_), false) => {
+            return Err(format!(
+                "--val-every: --data {} has no held-out split (validation needs text data, --data PATH)",
+                a.train.data
+            ))
+        }
+        (None, false) => None,
+        (every, true) => Some(
+            Validator::new(
+                &trainer,
+                backend,
+                &runtime,
+                every.unwrap_or(100),
+                a.eval.val_batches,
+            )
+            .map_err(|e| format!("validation: {e}"))?,
+        ),
+    };
+    if a.eval.sample_tokens > 0 && tokenizer.is_none() {
+        return Err(if text_data {
+            "--sample-tokens: the token file's tokenizer is not known; give it with --tokenizer"
+                .into()
+        } else {
+            format!(
+                "--sample-tokens: --data {} is not text; samples need text data (--data PATH)",
+                a.train.data
+            )
+        });
+    }
+    // Checkpoints carry the tokenizer, so `graphtrain generate` needs nothing else.
+    let tokenizer_json = tokenizer.as_ref().map(|t| t.to_json()).transpose()?;
     print_pass_records(&trainer.passes);
     let flops_per_token = cfg.flops_per_token();
     let predicted = graphtrain_passes::memory::profile(&trainer.graph);
@@ -755,7 +1093,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         );
     }
     say!(
-        "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {:?} seed {} lr {} | built in {:.2}s",
+        "graphtrain: model {} config {} backend {} | {} params, {} nodes | data {} seed {} lr {} | built in {:.2}s",
         a.train.model.model,
         a.train.model.config,
         a.train.backend,
@@ -787,12 +1125,17 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     }
     let save = |trainer: &mut Trainer| -> Result<(), String> {
         match &a.checkpoint {
-            Some(path) => checkpoint::save(
-                path,
-                &trainer
+            Some(path) => {
+                let mut ckpt = trainer
                     .checkpoint(run_id.clone())
-                    .map_err(|e| e.to_string())?,
-            ),
+                    .map_err(|e| e.to_string())?;
+                if let Some(json) = &tokenizer_json {
+                    ckpt.header
+                        .extra
+                        .insert(TOKENIZER_KEY.to_string(), json.clone());
+                }
+                checkpoint::save(path, &ckpt)
+            }
             None => Ok(()),
         }
     };
@@ -849,6 +1192,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             }
         };
         report.after(&mut trainer, &m)?;
+        if let Some(v) = validator.as_mut().filter(|v| v.due(m.step, a.steps)) {
+            let result = v.run(&mut trainer).map_err(|e| e.to_string())?;
+            report.validation(m.step, &result)?;
+        }
         if let (Some(dump), Some(b)) = (&mut dump, trainer.last_batch()) {
             dump.append(m.step, b)?;
         }
@@ -865,6 +1212,76 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             path.display()
         );
     }
+    if let (Some(tok), true) = (&tokenizer, a.eval.sample_tokens > 0) {
+        let params = trainer.parameters().map_err(|e| e.to_string())?;
+        let prompt = a.eval.sampling.prompt();
+        let text = sample_text(
+            &cfg,
+            &params,
+            tok,
+            &prompt,
+            a.eval.sample_tokens,
+            &a.eval.sampling.sampling(),
+            (backend, &runtime),
+        )
+        .map_err(|e| format!("sampling: {e}"))?;
+        say!(
+            "sample ({} tokens, temperature {}, top-k {}):\n{prompt}{text}",
+            a.eval.sample_tokens,
+            a.eval.sampling.temperature,
+            a.eval.sampling.top_k
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint metadata entry that holds the run's tokenizer (`tokenizer.json` text).
+const TOKENIZER_KEY: &str = "tokenizer.json";
+
+fn generate(a: GenerateArgs) -> Result<(), String> {
+    let ckpt = checkpoint::load(&a.checkpoint)?;
+    let json = ckpt.header.extra.get(TOKENIZER_KEY).ok_or_else(|| {
+        format!(
+            "{} carries no tokenizer: it comes from a run on synthetic data (--data random or fixed), which has no text to sample",
+            a.checkpoint.display()
+        )
+    })?;
+    let tokenizer = TextTokenizer::from_json(
+        json,
+        &format!("the tokenizer in {}", a.checkpoint.display()),
+    )?;
+    let model = &ckpt.header.run.model;
+    if tokenizer.vocab_size() > model.vocab_size {
+        return Err(format!(
+            "{}: the tokenizer has {} tokens, the model's vocab_size is {}",
+            a.checkpoint.display(),
+            tokenizer.vocab_size(),
+            model.vocab_size
+        ));
+    }
+    let backend: Backend = a.backend.parse()?;
+    if let Some(why) = backend.unavailable() {
+        return Err(format!("--backend {backend}: {why}"));
+    }
+    let params: Vec<(String, HostTensor)> = ckpt
+        .header
+        .tensors
+        .iter()
+        .map(|e| e.name.clone())
+        .zip(ckpt.tensors)
+        .collect();
+    let prompt = a.sampling.prompt();
+    let text = sample_text(
+        model,
+        &params,
+        &tokenizer,
+        &prompt,
+        a.tokens,
+        &a.sampling.sampling(),
+        (backend, &runtime_options_from_env()?),
+    )
+    .map_err(|e| format!("{}: {e}", a.checkpoint.display()))?;
+    say!("{prompt}{text}");
     Ok(())
 }
 
@@ -876,7 +1293,7 @@ fn run_config_json(a: &RunArgs, cfg: &Llama3Config, optim: &OptimConfig) -> serd
         "config": t.model.config,
         "backend": t.backend,
         "lowering": format!("{:?}", t.lowering).to_lowercase(),
-        "data": format!("{:?}", t.data).to_lowercase(),
+        "data": t.data.to_string(),
         "seed": t.seed,
         "lr": t.lr,
         "optimizer": format!("{:?}", optim),
@@ -1206,5 +1623,87 @@ fn duration(seconds: f64) -> String {
         format!("{:.3}ms", seconds * 1e3)
     } else {
         format!("{seconds:.3}s")
+    }
+}
+
+fn tokenizer_command(c: TokenizerCommand) -> Result<(), String> {
+    match c {
+        TokenizerCommand::Train {
+            corpus,
+            vocab_size,
+            out,
+        } => {
+            let t0 = Instant::now();
+            let docs = crate::data::corpus::Corpus::read(&corpus)?;
+            let tok = TextTokenizer::train_bpe(
+                docs.documents.iter().map(|d| d.text.as_str()),
+                vocab_size,
+            )?;
+            tok.save(&out)?;
+            say!(
+                "trained a byte-level BPE on {} ({} documents, {} bytes) in {:.2}s: vocab {} (asked {vocab_size}), <|endoftext|> = {}, fingerprint {:016x}; wrote {}",
+                corpus.display(),
+                docs.documents.len(),
+                docs.bytes(),
+                t0.elapsed().as_secs_f64(),
+                tok.vocab_size(),
+                tok.eot(),
+                tok.fingerprint(),
+                out.display()
+            );
+            Ok(())
+        }
+        TokenizerCommand::Encode { tokenizer, text } => {
+            let tok = TextTokenizer::load(&tokenizer)?;
+            let ids: Vec<String> = tok.encode(&text)?.iter().map(|i| i.to_string()).collect();
+            say!("{}", ids.join(" "));
+            Ok(())
+        }
+        TokenizerCommand::Decode { tokenizer, ids } => {
+            let tok = TextTokenizer::load(&tokenizer)?;
+            say!("{}", tok.decode(&ids)?);
+            Ok(())
+        }
+    }
+}
+
+fn data_command(c: DataCommand) -> Result<(), String> {
+    match c {
+        DataCommand::Prepare {
+            text,
+            data,
+            vocab_size,
+            seq_len,
+        } => {
+            let t0 = Instant::now();
+            let (tokens, report) = prepare_tokens(&text.options(&data, vocab_size)?)?;
+            say!(
+                "{}{} tokens, vocab {}, <|endoftext|> = {} | tokenizer {} | tokens {} | {:.2}s (tokenizer {:.2}s, tokenizing {:.2}s)",
+                match (report.documents, report.bytes) {
+                    (Some(d), Some(b)) => format!("{d} documents, {b} bytes, "),
+                    _ => String::new(),
+                },
+                tokens.len(),
+                tokens.header.vocab_size,
+                tokens.header.eot,
+                report.tokenizer,
+                report.tokens,
+                t0.elapsed().as_secs_f64(),
+                report.seconds_tokenizer,
+                report.seconds_tokenize
+            );
+            if let Some(seq_len) = seq_len {
+                let t = TextData::new(tokens, seq_len, text.val_fraction)?;
+                say!(
+                    "seq_len {seq_len}: {} rows of {} tokens: train {}, val {}; identity {}",
+                    t.train_rows() + t.val_rows(),
+                    seq_len + 1,
+                    t.train_rows(),
+                    t.val_rows(),
+                    t.identity()
+                );
+            }
+            Ok(())
+        }
     }
 }

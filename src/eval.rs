@@ -12,8 +12,9 @@
 //! - A parameter the source does not have, or has with another type, is an error naming it; a
 //!   non-finite validation loss is an error naming the batch, never averaged in.
 
+use crate::data::tokenizer::TextTokenizer;
 use crate::data::Batch;
-use crate::trainer::TrainError;
+use crate::trainer::{TrainError, Trainer};
 use graphtrain_ir::{rng, DType, Graph, HostTensor, InputKind, ValueId};
 use graphtrain_lowering::Mode;
 use graphtrain_models::Llama3Config;
@@ -295,6 +296,92 @@ pub fn generate(
         tokens.push(next as i64);
     }
     Ok(tokens[prompt.len()..].to_vec())
+}
+
+/// Writes `forward`'s parameters from `params` (name, value) pairs.
+pub fn load_named(
+    forward: &mut Forward,
+    params: &[(String, HostTensor)],
+) -> Result<(), TrainError> {
+    let by_name: std::collections::HashMap<&str, &HostTensor> =
+        params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    forward.load_params(|name| by_name.get(name).copied())
+}
+
+/// Validation during a run: the forward graph, the held-out batches, and how often.
+pub struct Validator {
+    forward: Forward,
+    batches: Vec<Batch>,
+    every: u64,
+}
+
+impl Validator {
+    /// Validates every `every` steps (and after the last) on the first `max_batches` held-out
+    /// batches of `trainer`'s data (all of them when `max_batches` is 0).
+    pub fn new(
+        trainer: &Trainer,
+        backend: Backend,
+        runtime: &RuntimeOptions,
+        every: u64,
+        max_batches: usize,
+    ) -> Result<Self, TrainError> {
+        let mut batches = trainer.val_batches()?;
+        if max_batches > 0 {
+            batches.truncate(max_batches);
+        }
+        Ok(Validator {
+            forward: Forward::validation(&trainer.model, backend, runtime)?,
+            batches,
+            every,
+        })
+    }
+
+    /// Held-out batches one validation runs.
+    pub fn batches(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// Whether step `step` of a run that ends at `last` is followed by a validation.
+    pub fn due(&self, step: u64, last: u64) -> bool {
+        step == last || (self.every > 0 && step.is_multiple_of(self.every))
+    }
+
+    /// The validation loss of `trainer`'s current weights.
+    pub fn run(&mut self, trainer: &mut Trainer) -> Result<Validation, TrainError> {
+        let params = trainer.parameters()?;
+        load_named(&mut self.forward, &params)?;
+        validate(&mut self.forward, &self.batches)
+    }
+}
+
+/// Continues `prompt` (text) by `new_tokens` tokens from the weights in `params` and returns the
+/// new text.
+pub fn sample_text(
+    model: &Llama3Config,
+    params: &[(String, HostTensor)],
+    tokenizer: &TextTokenizer,
+    prompt: &str,
+    new_tokens: usize,
+    sampling: &Sampling,
+    (backend, runtime): (Backend, &RuntimeOptions),
+) -> Result<String, TrainError> {
+    let ids: Vec<i64> = tokenizer
+        .encode(prompt)
+        .map_err(err)?
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    if let Some(&too_big) = ids.iter().find(|&&i| i as usize >= model.vocab_size) {
+        return Err(err(format!(
+            "the prompt encodes to token {too_big}, outside the model's vocabulary of {}: the tokenizer does not match the model",
+            model.vocab_size
+        )));
+    }
+    let mut forward = Forward::logits(model, 1, model.seq_len, backend, runtime)?;
+    load_named(&mut forward, params)?;
+    let out = generate(&mut forward, &ids, new_tokens, sampling)?;
+    let out: Vec<u32> = out.into_iter().map(|t| t as u32).collect();
+    tokenizer.decode(&out).map_err(err)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! fusion, on one compiled backend — the gate the lowering work and the passes share. Both
 //! steps are compiled by the one driver (`graphtrain_runtime::compile`, through the trainer).
 
-use crate::data::DataMode;
+use crate::data::DataSource;
 use crate::trainer::{TrainConfig, Trainer};
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::HostTensor;
@@ -56,7 +56,7 @@ pub fn check_pipeline_on(
     backend: Backend,
 ) -> Result<(), String> {
     let cfg = TrainConfig {
-        data: DataMode::Random,
+        data: DataSource::Random,
         seed: 0,
         lr: 1e-3,
         optim: OptimConfig::default(),
@@ -142,7 +142,7 @@ pub fn train_on_backends(
         Llama3Config::builtin(config).ok_or_else(|| format!("unknown config `{config}`"))?;
     let run = |backend: Backend, mode: Mode| -> Result<RunRecord, String> {
         let cfg = TrainConfig {
-            data: DataMode::Fixed,
+            data: DataSource::Fixed,
             seed: 0,
             lr: 1e-3,
             optim: OptimConfig::default(),

@@ -138,6 +138,19 @@ impl StepReport {
         Ok(())
     }
 
+    /// Reports a validation after step `step`: a line (`val: step N loss: X ppl: Y`) and a
+    /// record in the metrics log.
+    pub fn validation(&mut self, step: u64, v: &crate::eval::Validation) -> Result<(), String> {
+        if let Some(w) = &mut self.metrics {
+            w.validation(step, v.loss)?;
+        }
+        self.say(&format!(
+            "val: step {step} loss: {:.4} ppl: {:.2} ({} batches)",
+            v.loss, v.perplexity, v.batches
+        ));
+        Ok(())
+    }
+
     /// A line other than a step's, above the bar when there is one.
     pub fn say(&self, line: &str) {
         match &self.bar {

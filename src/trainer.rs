@@ -5,7 +5,7 @@
 //! inputs there); the trainer reads them back only for checkpoints and inspection.
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
-use crate::data::{batch, Batch, DataMode};
+use crate::data::{Batch, DataSource};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{rng, verify, DType, Graph, HostTensor, Init, InputKind, TensorType, ValueId};
 use graphtrain_lowering::{FusionLimits, Mode, Program};
@@ -38,7 +38,7 @@ fn err(e: impl fmt::Display) -> TrainError {
 
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
-    pub data: DataMode,
+    pub data: DataSource,
     pub seed: u64,
     pub lr: f64,
     pub optim: OptimConfig,
@@ -205,6 +205,9 @@ impl Trainer {
         backend: Backend,
         options: &CompileOptions<'_>,
     ) -> Result<Self, TrainError> {
+        if let DataSource::Text(text) = &cfg.data {
+            check_text_fits(text, model)?;
+        }
         let Traced { step, mut timings } = build_step(model, DType::F32, &cfg.optim)?;
         let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
         let passes = std::mem::take(&mut compiled.passes);
@@ -357,15 +360,18 @@ values, {} as the trainer's f64 host copies, and {} is available",
     /// the step.
     pub fn step(&mut self) -> Result<StepMetrics, TrainError> {
         let m = &self.model;
-        let b = batch(
-            self.cfg.data,
-            self.cfg.seed,
-            self.steps_done,
-            m.batch,
-            m.seq_len,
-            m.vocab_size,
-        );
         let step_no = self.steps_done + 1;
+        let b = self
+            .cfg
+            .data
+            .batch(
+                self.cfg.seed,
+                self.steps_done,
+                m.batch,
+                m.seq_len,
+                m.vocab_size,
+            )
+            .map_err(|e| err(format!("step {step_no}: {e}")))?;
         let tokens = m.batch * m.seq_len;
         for (slot, feed) in self.slots.iter_mut().zip(&self.feeds) {
             match feed {
@@ -429,6 +435,23 @@ values, {} as the trainer's f64 host copies, and {} is available",
             tokens,
         })
     }
+    /// Where the training batches come from (validation reads the held-out text here).
+    pub fn data(&self) -> &DataSource {
+        &self.cfg.data
+    }
+
+    /// The held-out validation batches of the model's batch size, in order; an error for
+    /// synthetic data (it has no held-out split) or a split smaller than one batch.
+    pub fn val_batches(&self) -> Result<Vec<Batch>, TrainError> {
+        match &self.cfg.data {
+            DataSource::Text(t) => t.val_batches(self.model.batch).map_err(err),
+            other => Err(err(format!(
+                "--data {} has no held-out validation split",
+                other.identity()
+            ))),
+        }
+    }
+
     /// Steps completed so far.
     pub fn steps_done(&self) -> u64 {
         self.steps_done
@@ -545,6 +568,26 @@ step, so it cannot resume the data there",
         let i = self.graph.inputs.iter().position(|i| i.name == name)?;
         Some(&self.slots[i])
     }
+}
+
+/// Refuses text cut for another sequence length, or with ids the model's embedding cannot hold.
+/// A tokenizer smaller than the model's vocab is fine: the extra embedding rows go unused.
+fn check_text_fits(text: &crate::data::TextData, model: &Llama3Config) -> Result<(), TrainError> {
+    if text.seq_len() != model.seq_len {
+        return Err(err(format!(
+            "the text was cut into rows for seq_len {}, the model config has seq_len {}",
+            text.seq_len(),
+            model.seq_len
+        )));
+    }
+    if text.vocab_size() > model.vocab_size {
+        return Err(err(format!(
+            "the tokenizer's vocab size {} is larger than the model config's vocab_size {}: token ids would fall outside the embedding",
+            text.vocab_size(),
+            model.vocab_size
+        )));
+    }
+    Ok(())
 }
 
 /// Names the first field in which two run identities differ.

@@ -27,7 +27,7 @@ fn tiny() -> Llama3Config {
 
 fn trainer(seed: u64) -> Trainer {
     let cfg = TrainConfig {
-        data: DataMode::Random,
+        data: DataMode::Random.into(),
         seed,
         lr: 1e-2,
         optim: OptimConfig::default(),

@@ -17,7 +17,7 @@ fn tiny() -> Llama3Config {
 
 fn trainer_on(backend: Backend) -> Trainer {
     let cfg = TrainConfig {
-        data: DataMode::Fixed,
+        data: DataMode::Fixed.into(),
         seed: 5,
         lr: 1e-2,
         optim: OptimConfig::default(),
@@ -142,4 +142,163 @@ fn a_validation_graph_refuses_weights_it_cannot_use() {
     ));
     let e = forward.load_params(|_| Some(&wrong)).unwrap_err();
     assert!(e.0.contains("the forward pass needs"), "{e}");
+}
+
+// ---- `graphtrain run` with validation and a sample, then `graphtrain generate` ----
+
+fn graphtrain(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn text_run_files(name: &str) -> (std::path::PathBuf, String, String, String) {
+    let dir = std::env::temp_dir().join(format!("graphtrain-eval-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("text.ron");
+    let cfg = Llama3Config {
+        vocab_size: 512,
+        ..tiny()
+    };
+    std::fs::write(&config, graphtrain::config::config_to_ron(&cfg)).unwrap();
+    let words = ["the", "king", "is", "dead", "long", "live", "queen", "and"];
+    let text: String = (0..300)
+        .map(|i| {
+            let w: Vec<&str> = (0..6).map(|j| words[(i * 3 + j * 5) % 8]).collect();
+            format!("{}.\n", w.join(" "))
+        })
+        .collect();
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, text).unwrap();
+    let s = |p: std::path::PathBuf| p.to_str().unwrap().to_string();
+    (dir.clone(), s(config), s(corpus), s(dir.join("cache")))
+}
+
+#[test]
+fn a_text_run_validates_samples_and_its_checkpoint_generates() {
+    let (dir, config, corpus, cache) = text_run_files("run");
+    let ckpt = dir.join("run.ckpt");
+    let metrics = dir.join("run.jsonl");
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        &config,
+        "--data",
+        &corpus,
+        "--data-cache",
+        &cache,
+        "--lr",
+        "1e-2",
+        "--steps",
+        "12",
+        "--val-every",
+        "5",
+        "--sample-tokens",
+        "20",
+        "--prompt",
+        "the king",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{err}\n{out}");
+    // Steps 5 and 10, and the last one.
+    let vals: Vec<f64> = out
+        .lines()
+        .filter(|l| l.starts_with("val: step"))
+        .map(|l| {
+            let loss = l.split("loss:").nth(1).unwrap().split_whitespace().next();
+            loss.unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(vals.len(), 3, "{out}");
+    assert!(vals.iter().all(|v| v.is_finite() && *v > 0.0), "{vals:?}");
+    assert!(
+        vals[2] < vals[0],
+        "the validation loss did not fall: {vals:?}"
+    );
+    let log = std::fs::read_to_string(&metrics).unwrap();
+    assert_eq!(log.matches("\"val_loss\"").count(), 3, "{log}");
+    let sample = out.split("sample (20 tokens").nth(1).expect("a sample");
+    assert!(sample.contains("the king"), "{out}");
+    // The checkpoint carries the tokenizer: generate needs nothing else, and the same seed
+    // gives the same text.
+    let gen = |seed: &str| {
+        let o = graphtrain(&[
+            "generate",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--prompt",
+            "the",
+            "--tokens",
+            "15",
+            "--sample-seed",
+            seed,
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let (a, b) = (gen("1"), gen("1"));
+    assert!(a.starts_with("the") && a.len() > 3, "{a:?}");
+    assert_eq!(a, b);
+}
+
+#[test]
+fn validation_and_samples_need_text_and_generate_needs_a_tokenizer() {
+    let refused = |args: &[&str], needle: &str| {
+        let o = graphtrain(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(needle) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    };
+    refused(
+        &[
+            "run",
+            "--config",
+            "tiny",
+            "--data",
+            "fixed",
+            "--val-every",
+            "5",
+        ],
+        "no held-out split",
+    );
+    refused(
+        &["run", "--config", "tiny", "--sample-tokens", "5"],
+        "samples need text data",
+    );
+    let dir = std::env::temp_dir().join(format!("graphtrain-eval-{}-synth", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ckpt = dir.join("synthetic.ckpt");
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "1",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    refused(
+        &["generate", "--checkpoint", ckpt.to_str().unwrap()],
+        "carries no tokenizer",
+    );
+    refused(
+        &[
+            "generate",
+            "--checkpoint",
+            dir.join("missing").to_str().unwrap(),
+        ],
+        "missing",
+    );
 }

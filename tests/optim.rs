@@ -17,7 +17,7 @@ fn sgd_trainer(max_grad_norm: Option<f64>, backend: Backend) -> Trainer {
     let mut t = Trainer::new(
         &Llama3Config::builtin("tiny").unwrap(),
         TrainConfig {
-            data: DataMode::Fixed,
+            data: DataMode::Fixed.into(),
             seed: 0,
             lr: LR,
             optim: OptimConfig {

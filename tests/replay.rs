@@ -148,7 +148,7 @@ fn dumped_batches_and_initial_weights_are_exact() {
     let mut fresh = Trainer::new(
         &cfg,
         TrainConfig {
-            data: DataMode::Random,
+            data: DataMode::Random.into(),
             seed: 5,
             lr: 1e-3,
             optim: OptimConfig::default(),

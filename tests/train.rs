@@ -16,7 +16,7 @@ fn trainer(data: DataMode, lr: f64) -> Trainer {
     Trainer::new(
         &cfg,
         TrainConfig {
-            data,
+            data: data.into(),
             seed: 0,
             lr,
             optim: OptimConfig::default(),

@@ -1,6 +1,8 @@
-//! Token batches for training: seeded random tokens, the same batch every step (`fixed`) or a
-//! fresh one per step (`random`). Pure functions of (seed, step), so runs are reproducible.
+//! Synthetic token batches: seeded random tokens, the same batch every step (`fixed`) or a
+//! fresh one per step (`random`). Pure functions of (seed, step), so runs are reproducible;
+//! they need no files and serve the engine's own tests and benchmarks.
 
+use super::Batch;
 use graphtrain_ir::rng;
 
 /// Stream id of the token generator, kept apart from the parameter-init streams.
@@ -12,12 +14,6 @@ pub enum DataMode {
     Random,
     /// Batch 0 at every step (memorization: the loss must fall fast).
     Fixed,
-}
-
-/// Inputs and next-token targets, each `[batch, seq]` row-major.
-pub struct Batch {
-    pub tokens: Vec<i64>,
-    pub targets: Vec<i64>,
 }
 
 /// Batch `step` (0-based): `batch` rows of `seq + 1` random tokens, split into input and target.
