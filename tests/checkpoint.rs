@@ -274,8 +274,11 @@ fn truncated_and_foreign_files_are_refused() {
     }
 }
 
+/// Each tensor's name and byte range in a checkpoint file.
+type TensorRanges = Vec<(String, std::ops::Range<usize>)>;
+
 /// A saved checkpoint's bytes and, per tensor, its name and byte range in the file.
-fn saved_bytes(name: &str) -> (PathBuf, Vec<u8>, Vec<(String, std::ops::Range<usize>)>) {
+fn saved_bytes(name: &str) -> (PathBuf, Vec<u8>, TensorRanges) {
     let path = temp(name);
     let mut t = trainer(0);
     t.step().unwrap();

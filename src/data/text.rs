@@ -23,6 +23,9 @@ use std::sync::{Arc, Mutex};
 const SHUFFLE_STREAM: u64 = 0x5EED_5A3F;
 pub const DEFAULT_VAL_FRACTION: f64 = 0.05;
 
+/// A shuffle kept for reuse: (seed, epoch, the permutation of training rows).
+type CachedShuffle = (u64, u64, Arc<Vec<u32>>);
+
 pub struct TextData {
     tokens: TokenFile,
     seq_len: usize,
@@ -30,7 +33,7 @@ pub struct TextData {
     train_rows: usize,
     val_rows: usize,
     /// The last epoch's permutation: consecutive batches mostly fall in the same epoch.
-    shuffle: Mutex<Option<(u64, u64, Arc<Vec<u32>>)>>,
+    shuffle: Mutex<Option<CachedShuffle>>,
 }
 
 impl std::fmt::Debug for TextData {
