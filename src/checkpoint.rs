@@ -98,15 +98,9 @@ pub struct Checkpoint {
     pub tensors: Vec<HostTensor>,
 }
 
-/// 64-bit FNV-1a: small, dependency-free, and any single changed byte changes it.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+/// The checksum of tensors and metadata: 64-bit FNV-1a, the same fingerprint token files use;
+/// any single changed byte changes it.
+pub use crate::data::fingerprint::fnv1a64;
 
 fn checksum_text(bytes: &[u8]) -> String {
     format!("fnv1a64:{:016x}", fnv1a64(bytes))

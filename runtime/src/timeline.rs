@@ -73,6 +73,15 @@ pub(crate) struct Recorder {
 }
 
 impl Recorder {
+    /// Starts (`on`) or stops recording into `slot`, keeping a recording already under way.
+    pub(crate) fn switch(slot: &mut Option<Recorder>, on: bool) {
+        match (on, slot.is_some()) {
+            (true, false) => *slot = Some(Recorder::default()),
+            (false, true) => *slot = None,
+            _ => {}
+        }
+    }
+
     /// Marks the start of a run.
     pub(crate) fn begin(&mut self) {
         self.raw.clear();

@@ -721,11 +721,7 @@ impl Executor for CpuExecutor {
     }
 
     fn record_timeline(&mut self, on: bool) -> bool {
-        match (on, self.timeline.is_some()) {
-            (true, false) => self.timeline = Some(Recorder::default()),
-            (false, true) => self.timeline = None,
-            _ => {}
-        }
+        Recorder::switch(&mut self.timeline, on);
         true
     }
 
