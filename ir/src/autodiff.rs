@@ -10,7 +10,8 @@
 
 use crate::dtype::TensorType;
 use crate::graph::{Graph, Meta, Node, Phase, TypeError, ValueId};
-use crate::op::{BinaryOp, CompareOp, Op, UnaryOp};
+use crate::mesh::Reduce;
+use crate::op::{BinaryOp, Collective, CompareOp, Op, UnaryOp};
 use std::fmt;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -56,6 +57,10 @@ pub struct GradOptions<'a> {
     /// same ones to leave the rule alone), and may append nodes to the graph to compute them.
     /// `None`, the default, costs one branch per differentiated node and changes nothing.
     pub replace_rule: Option<RuleHook<'a>>,
+    /// The cotangent the loss starts with (default 1). An SPMD train step, whose ranks each
+    /// differentiate their local loss, starts at 1 / world size: the sum over ranks is then the
+    /// gradient of the mean loss.
+    pub seed: Option<f64>,
 }
 
 /// One application of a gradient rule, as `GradOptions::replace_rule` sees it.
@@ -128,7 +133,7 @@ pub fn grad_with(
         };
         let one = cx.push(
             Op::Full {
-                value: 1.0,
+                value: opts.seed.unwrap_or(1.0),
                 shape: vec![],
                 dtype: loss_ty.dtype,
             },
@@ -716,5 +721,78 @@ fn rule(
         | Op::CrossEntropyBackward
         | Op::AdamW { .. }
         | Op::Sgd { .. } => Err(not_diff()),
+        // The handle carries the result: waiting is the identity on values.
+        Op::Wait => one(gy),
+        // Over the ranks of a group, all-gather and reduce-scatter(sum) are each other's
+        // adjoint, all-reduce(sum) is its own, and an average scales by 1/n on the way back.
+        Op::CollectiveStart {
+            collective,
+            mesh_dims,
+            group,
+        } => {
+            let n = *group as f64;
+            let start = |cx: &mut Ctx<'_>, c: Collective, v: ValueId| -> Res<ValueId> {
+                let handle = cx.push(
+                    Op::CollectiveStart {
+                        collective: c,
+                        mesh_dims: mesh_dims.clone(),
+                        group: *group,
+                    },
+                    vec![v],
+                )?;
+                cx.push(Op::Wait, vec![handle])
+            };
+            let gx = match *collective {
+                Collective::AllGather { axis } => start(
+                    cx,
+                    Collective::ReduceScatter {
+                        axis,
+                        reduce: Reduce::Sum,
+                    },
+                    gy,
+                )?,
+                Collective::ReduceScatter { axis, reduce } => {
+                    let g = start(cx, Collective::AllGather { axis }, gy)?;
+                    match reduce {
+                        Reduce::Sum => g,
+                        Reduce::Avg => cx.mul_scalar(g, 1.0 / n)?,
+                    }
+                }
+                Collective::AllReduce { reduce } => {
+                    let g = start(
+                        cx,
+                        Collective::AllReduce {
+                            reduce: Reduce::Sum,
+                        },
+                        gy,
+                    )?;
+                    match reduce {
+                        Reduce::Sum => g,
+                        Reduce::Avg => cx.mul_scalar(g, 1.0 / n)?,
+                    }
+                }
+                // Block j of member i went to member j's block i: the reverse exchange.
+                Collective::AllToAll {
+                    split_axis,
+                    concat_axis,
+                } => start(
+                    cx,
+                    Collective::AllToAll {
+                        split_axis: concat_axis,
+                        concat_axis: split_axis,
+                    },
+                    gy,
+                )?,
+                // The root would get the group's sum and the others nothing; no rule yet, so
+                // refused rather than a silent zero.
+                Collective::Broadcast { .. } => {
+                    return Err(AutodiffError::NotDifferentiable {
+                        op: "broadcast_start",
+                        module: cx.meta.module.clone(),
+                    })
+                }
+            };
+            one(gx)
+        }
     }
 }

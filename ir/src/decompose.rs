@@ -159,6 +159,7 @@ fn expand_once(g: &Graph, picked: &dyn Fn(&Op) -> bool) -> Result<Graph, TypeErr
         };
         out.add_output(o.name.clone(), value, donates);
     }
+    out.keep_distribution_of(g);
     Ok(out)
 }
 

@@ -3,6 +3,7 @@
 
 use crate::dtype::TensorType;
 use crate::infer::infer_types;
+use crate::mesh::{Mesh, Placements};
 use crate::op::Op;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -147,6 +148,9 @@ pub struct Input {
     pub name: String,
     pub kind: InputKind,
     pub value: ValueId,
+    /// How the ranks hold the global tensor this local input is part of (graphs with a mesh).
+    #[serde(default)]
+    pub placement: Option<Placements>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -155,6 +159,9 @@ pub struct Output {
     pub value: ValueId,
     /// The input whose buffer this output overwrites (in-place update).
     pub donates: Option<ValueId>,
+    /// How the ranks hold the global tensor this local output is part of (graphs with a mesh).
+    #[serde(default)]
+    pub placement: Option<Placements>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -175,6 +182,10 @@ pub struct Graph {
     pub inputs: Vec<Input>,
     pub nodes: Vec<Node>,
     pub outputs: Vec<Output>,
+    /// The device mesh of an SPMD graph: every rank runs this graph on its own local tensors, and
+    /// collective nodes combine them. `None` for a single-device graph.
+    #[serde(default)]
+    pub mesh: Option<Mesh>,
 }
 
 /// A node that could not be added: the op rejected its operand types.
@@ -214,6 +225,7 @@ impl Graph {
             inputs: Vec::new(),
             nodes: Vec::new(),
             outputs: Vec::new(),
+            mesh: None,
         }
     }
 
@@ -238,6 +250,7 @@ impl Graph {
             name: name.into(),
             kind,
             value,
+            placement: None,
         });
         value
     }
@@ -297,7 +310,20 @@ impl Graph {
             name: name.into(),
             value,
             donates,
+            placement: None,
         });
+    }
+
+    /// Copies the mesh and the input and output placements of `from`, a graph with the same
+    /// inputs and outputs in the same order: for passes that rebuild a graph node by node.
+    pub fn keep_distribution_of(&mut self, from: &Graph) {
+        self.mesh = from.mesh.clone();
+        for (to, from) in self.inputs.iter_mut().zip(&from.inputs) {
+            to.placement = from.placement.clone();
+        }
+        for (to, from) in self.outputs.iter_mut().zip(&from.outputs) {
+            to.placement = from.placement.clone();
+        }
     }
 
     pub fn input_named(&self, name: &str) -> Option<&Input> {
@@ -372,6 +398,7 @@ impl Graph {
                 name: i.name.clone(),
                 kind: i.kind,
                 value: map[i.value.index()].expect("inputs are assigned first"),
+                placement: i.placement.clone(),
             })
             .collect();
         let mut nodes = Vec::with_capacity(self.nodes.len());
@@ -400,6 +427,7 @@ impl Graph {
                 name: o.name.clone(),
                 value: remap(o.value, &mut map, &mut values),
                 donates: o.donates.map(|d| remap(d, &mut map, &mut values)),
+                placement: o.placement.clone(),
             })
             .collect();
         Graph {
@@ -408,6 +436,7 @@ impl Graph {
             inputs,
             nodes,
             outputs,
+            mesh: self.mesh.clone(),
         }
     }
 

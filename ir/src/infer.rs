@@ -2,7 +2,7 @@
 //! nodes are built (tracing, autodiff, passes) and by the verifier.
 
 use crate::dtype::{DType, TensorType};
-use crate::op::{Arity, Op};
+use crate::op::{Arity, Collective, Op};
 
 fn same_type(op: &str, a: &TensorType, b: &TensorType) -> Result<(), String> {
     if a != b {
@@ -360,7 +360,66 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             need_float("the learning rate", lr)?;
             one(p.clone())
         }
+        Op::CollectiveStart {
+            collective,
+            mesh_dims,
+            group,
+        } => one(collective_type(*collective, mesh_dims, *group, &ins[0])?),
+        Op::Wait => one(ins[0].clone()),
     }
+}
+
+/// The result type of `collective` over a group of `group` ranks (the mesh itself is checked by
+/// the verifier: `group` must be the product of the sizes of `mesh_dims`).
+fn collective_type(
+    collective: Collective,
+    mesh_dims: &[usize],
+    group: usize,
+    x: &TensorType,
+) -> Result<TensorType, String> {
+    if mesh_dims.is_empty() {
+        return Err("a collective needs at least one mesh dimension".into());
+    }
+    if group == 0 {
+        return Err("a collective's group has at least one rank".into());
+    }
+    let mut shape = x.shape.clone();
+    let split = |shape: &[usize], axis: usize| -> Result<usize, String> {
+        check_axis(axis, shape.len())?;
+        if !shape[axis].is_multiple_of(group) {
+            return Err(format!(
+                "axis {axis} of {x} does not split into {group} equal blocks"
+            ));
+        }
+        Ok(shape[axis] / group)
+    };
+    match collective {
+        Collective::AllGather { axis } => {
+            check_axis(axis, shape.len())?;
+            shape[axis] *= group;
+        }
+        Collective::ReduceScatter { axis, .. } => {
+            need_float("the operand of reduce_scatter", x)?;
+            shape[axis] = split(&shape, axis)?;
+        }
+        Collective::AllReduce { .. } => need_float("the operand of all_reduce", x)?,
+        Collective::AllToAll {
+            split_axis,
+            concat_axis,
+        } => {
+            shape[split_axis] = split(&shape, split_axis)?;
+            check_axis(concat_axis, shape.len())?;
+            shape[concat_axis] *= group;
+        }
+        Collective::Broadcast { root } => {
+            if root >= group {
+                return Err(format!(
+                    "broadcast root {root} is not in a group of {group}"
+                ));
+            }
+        }
+    }
+    Ok(TensorType::new(x.dtype, shape))
 }
 
 fn check_index_shape(x: &TensorType, idx: &TensorType, axis: usize) -> Result<(), String> {

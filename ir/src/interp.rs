@@ -18,7 +18,8 @@
 use crate::dtype::TensorType;
 use crate::graph::Graph;
 use crate::infer::infer_types;
-use crate::op::{BinaryOp, Op, RopeLayout};
+use crate::mesh::{Mesh, Reduce};
+use crate::op::{BinaryOp, Collective, Op, RopeLayout};
 use crate::rng;
 use std::borrow::Cow;
 use std::fmt;
@@ -74,15 +75,32 @@ impl std::error::Error for InterpError {}
 
 /// Runs `g` on `inputs` (given in `g.inputs` order, each of exactly the declared type).
 pub fn run(g: &Graph, inputs: &[HostTensor]) -> Result<RunOutput, InterpError> {
-    if inputs.len() != g.inputs.len() {
-        let names: Vec<&str> = g.inputs.iter().map(|i| i.name.as_str()).collect();
+    if let Some(mesh) = g.mesh.as_ref().filter(|m| m.world_size() != 1) {
         return Err(InterpError::plain(format!(
-            "graph `{}` takes {} input(s) ({}), got {}",
+            "graph `{}` runs on a mesh of {} ranks ({mesh}): run it with `run_ranks`",
             g.name,
-            g.inputs.len(),
-            names.join(", "),
+            mesh.world_size()
+        )));
+    }
+    let mut outs = run_ranks(g, &[inputs])?;
+    Ok(outs.remove(0))
+}
+
+/// Runs an SPMD graph on every rank of its mesh in this process, rank `r` on `inputs[r]`: nodes
+/// run in schedule order on all ranks before the next, and a collective combines the ranks'
+/// operands in rank order, so results repeat bit for bit. A graph without a mesh runs as one
+/// rank. Returns each rank's outputs and peak.
+pub fn run_ranks(g: &Graph, inputs: &[&[HostTensor]]) -> Result<Vec<RunOutput>, InterpError> {
+    let world = g.mesh.as_ref().map_or(1, |m| m.world_size());
+    if inputs.len() != world {
+        return Err(InterpError::plain(format!(
+            "graph `{}` has {world} rank(s) but inputs for {} were given",
+            g.name,
             inputs.len()
         )));
+    }
+    for rank_inputs in inputs {
+        check_inputs(g, rank_inputs)?;
     }
     let num_values = g.values.len();
     let out_of_graph = |v: usize| {
@@ -91,26 +109,6 @@ pub fn run(g: &Graph, inputs: &[HostTensor]) -> Result<RunOutput, InterpError> {
             g.name
         ))
     };
-    for (decl, t) in g.inputs.iter().zip(inputs) {
-        let want = g
-            .values
-            .get(decl.value.index())
-            .ok_or_else(|| out_of_graph(decl.value.index()))?;
-        if t.ty != *want {
-            return Err(InterpError::plain(format!(
-                "input `{}` must be {want}, got {}",
-                decl.name, t.ty
-            )));
-        }
-        if t.data.len() != want.numel() {
-            return Err(InterpError::plain(format!(
-                "input `{}` is {want} ({} elements) but holds {} values",
-                decl.name,
-                want.numel(),
-                t.data.len()
-            )));
-        }
-    }
 
     // The node after which each value is no longer needed; graph outputs are never freed.
     let mut last_use: Vec<Option<usize>> = vec![None; num_values];
@@ -131,22 +129,31 @@ pub fn run(g: &Graph, inputs: &[HostTensor]) -> Result<RunOutput, InterpError> {
             .ok_or_else(|| out_of_graph(o.value.index()))? = true;
     }
 
-    let mut slots: Vec<Option<Cow<'_, HostTensor>>> = vec![None; num_values];
-    let mut live = 0usize;
-    for (decl, t) in g.inputs.iter().zip(inputs) {
-        let slot = &mut slots[decl.value.index()];
-        if slot.is_none() {
-            live += t.size_bytes();
-            *slot = Some(Cow::Borrowed(t));
-        }
-    }
-    let mut peak = live;
-    for decl in &g.inputs {
-        let v = decl.value.index();
-        if last_use[v].is_none() && !keep[v] {
-            free(&mut slots[v], &mut live);
-        }
-    }
+    let mut ranks: Vec<RankState<'_>> = inputs
+        .iter()
+        .map(|rank_inputs| {
+            let mut st = RankState {
+                slots: vec![None; num_values],
+                live: 0,
+                peak: 0,
+            };
+            for (decl, t) in g.inputs.iter().zip(*rank_inputs) {
+                let slot = &mut st.slots[decl.value.index()];
+                if slot.is_none() {
+                    st.live += t.size_bytes();
+                    *slot = Some(Cow::Borrowed(t));
+                }
+            }
+            st.peak = st.live;
+            for decl in &g.inputs {
+                let v = decl.value.index();
+                if last_use[v].is_none() && !keep[v] {
+                    free(&mut st.slots[v], &mut st.live);
+                }
+            }
+            st
+        })
+        .collect();
 
     for (i, node) in g.nodes.iter().enumerate() {
         let at_node = |message: String| InterpError {
@@ -155,83 +162,247 @@ pub fn run(g: &Graph, inputs: &[HostTensor]) -> Result<RunOutput, InterpError> {
             op: node.op.name().to_string(),
             message,
         };
-        let mut operands: Vec<&HostTensor> = Vec::with_capacity(node.inputs.len());
-        for v in &node.inputs {
-            let t = slots[v.index()].as_deref().ok_or_else(|| {
-                at_node(format!(
-                    "reads %{} before any node defines it (or after it was freed)",
-                    v.index()
-                ))
-            })?;
-            operands.push(t);
-        }
-        let operand_types: Vec<TensorType> = operands.iter().map(|t| t.ty.clone()).collect();
         let declared: Vec<TensorType> = node
             .outputs
             .iter()
             .map(|o| g.values[o.index()].clone())
             .collect();
-        let inferred = infer_types(&node.op, &operand_types).map_err(&at_node)?;
-        if inferred != declared {
-            return Err(at_node(format!(
-                "the graph declares outputs {} but the op produces {}",
-                type_list(&declared),
-                type_list(&inferred)
+        let mut results: Vec<Vec<Vec<f64>>> = Vec::with_capacity(world);
+        {
+            let mut operands: Vec<Vec<&HostTensor>> = Vec::with_capacity(world);
+            for st in &ranks {
+                let mut ops: Vec<&HostTensor> = Vec::with_capacity(node.inputs.len());
+                for v in &node.inputs {
+                    let t = st.slots[v.index()].as_deref().ok_or_else(|| {
+                        at_node(format!(
+                            "reads %{} before any node defines it (or after it was freed)",
+                            v.index()
+                        ))
+                    })?;
+                    ops.push(t);
+                }
+                let operand_types: Vec<TensorType> = ops.iter().map(|t| t.ty.clone()).collect();
+                let inferred = infer_types(&node.op, &operand_types).map_err(&at_node)?;
+                if inferred != declared {
+                    return Err(at_node(format!(
+                        "the graph declares outputs {} but the op produces {}",
+                        type_list(&declared),
+                        type_list(&inferred)
+                    )));
+                }
+                operands.push(ops);
+            }
+            if let Op::CollectiveStart {
+                collective,
+                mesh_dims,
+                ..
+            } = &node.op
+            {
+                let mesh = g
+                    .mesh
+                    .as_ref()
+                    .ok_or_else(|| at_node("a collective in a graph without a mesh".into()))?;
+                let xs: Vec<&HostTensor> = operands.iter().map(|o| o[0]).collect();
+                for r in 0..world {
+                    let out = collective_eval(*collective, mesh, mesh_dims, r, &xs, &declared[0])
+                        .map_err(&at_node)?;
+                    results.push(vec![out]);
+                }
+            } else {
+                for ops in &operands {
+                    results.push(eval(&node.op, ops, &declared).map_err(&at_node)?);
+                }
+            }
+        }
+        for (st, rank_results) in ranks.iter_mut().zip(results) {
+            for ((o, ty), mut data) in node.outputs.iter().zip(&declared).zip(rank_results) {
+                if data.len() != ty.numel() {
+                    // Every kernel sizes its result from the inferred type; this guards that promise.
+                    return Err(at_node(format!(
+                        "internal error: produced {} values for a {ty} output",
+                        data.len()
+                    )));
+                }
+                round_slice(ty.dtype, &mut data);
+                st.live += ty.size_bytes();
+                st.slots[o.index()] = Some(Cow::Owned(HostTensor {
+                    ty: ty.clone(),
+                    data,
+                }));
+            }
+            st.peak = st.peak.max(st.live);
+            for v in node.inputs.iter().chain(&node.outputs) {
+                let v = v.index();
+                let dead = match last_use[v] {
+                    Some(last) => last <= i,
+                    None => true,
+                };
+                if dead && !keep[v] {
+                    free(&mut st.slots[v], &mut st.live);
+                }
+            }
+        }
+    }
+
+    ranks
+        .into_iter()
+        .map(|mut st| {
+            // Outputs move out of their slots; only a value listed more than once is cloned.
+            let mut pending = vec![0usize; num_values];
+            for o in &g.outputs {
+                pending[o.value.index()] += 1;
+            }
+            let mut outputs = Vec::with_capacity(g.outputs.len());
+            for o in &g.outputs {
+                let v = o.value.index();
+                let missing = || {
+                    InterpError::plain(format!(
+                        "output `{}` reads %{v}, which nothing defines",
+                        o.name
+                    ))
+                };
+                pending[v] -= 1;
+                let t = if pending[v] == 0 {
+                    st.slots[v].take().ok_or_else(missing)?.into_owned()
+                } else {
+                    st.slots[v].as_deref().ok_or_else(missing)?.clone()
+                };
+                outputs.push(t);
+            }
+            Ok(RunOutput {
+                outputs,
+                peak_bytes: st.peak,
+            })
+        })
+        .collect()
+}
+
+/// One rank's live values.
+struct RankState<'a> {
+    slots: Vec<Option<Cow<'a, HostTensor>>>,
+    live: usize,
+    peak: usize,
+}
+
+fn check_inputs(g: &Graph, inputs: &[HostTensor]) -> Result<(), InterpError> {
+    if inputs.len() != g.inputs.len() {
+        let names: Vec<&str> = g.inputs.iter().map(|i| i.name.as_str()).collect();
+        return Err(InterpError::plain(format!(
+            "graph `{}` takes {} input(s) ({}), got {}",
+            g.name,
+            g.inputs.len(),
+            names.join(", "),
+            inputs.len()
+        )));
+    }
+    for (decl, t) in g.inputs.iter().zip(inputs) {
+        let want = g.values.get(decl.value.index()).ok_or_else(|| {
+            InterpError::plain(format!(
+                "value %{} is not in graph `{}` ({} values)",
+                decl.value.index(),
+                g.name,
+                g.values.len()
+            ))
+        })?;
+        if t.ty != *want {
+            return Err(InterpError::plain(format!(
+                "input `{}` must be {want}, got {}",
+                decl.name, t.ty
             )));
         }
-
-        let results = eval(&node.op, &operands, &declared).map_err(&at_node)?;
-        for ((o, ty), mut data) in node.outputs.iter().zip(declared).zip(results) {
-            if data.len() != ty.numel() {
-                // Every kernel sizes its result from the inferred type; this guards that promise.
-                return Err(at_node(format!(
-                    "internal error: produced {} values for a {ty} output",
-                    data.len()
-                )));
-            }
-            round_slice(ty.dtype, &mut data);
-            live += ty.size_bytes();
-            slots[o.index()] = Some(Cow::Owned(HostTensor { ty, data }));
-        }
-        peak = peak.max(live);
-        for v in node.inputs.iter().chain(&node.outputs) {
-            let v = v.index();
-            let dead = match last_use[v] {
-                Some(last) => last <= i,
-                None => true,
-            };
-            if dead && !keep[v] {
-                free(&mut slots[v], &mut live);
-            }
+        if t.data.len() != want.numel() {
+            return Err(InterpError::plain(format!(
+                "input `{}` is {want} ({} elements) but holds {} values",
+                decl.name,
+                want.numel(),
+                t.data.len()
+            )));
         }
     }
+    Ok(())
+}
 
-    // Outputs move out of their slots; only a value listed more than once is cloned.
-    let mut pending = vec![0usize; num_values];
-    for o in &g.outputs {
-        pending[o.value.index()] += 1;
+/// What `collective` gives rank `rank`, from every rank's operand `xs` (in rank order). Sums run
+/// over the group in group order, whatever the rank, so every member gets the same bits.
+fn collective_eval(
+    collective: Collective,
+    mesh: &Mesh,
+    mesh_dims: &[usize],
+    rank: usize,
+    xs: &[&HostTensor],
+    out: &TensorType,
+) -> Result<Vec<f64>, String> {
+    let group = mesh.group(rank, mesh_dims);
+    let me = mesh.group_index(rank, mesh_dims);
+    let n = group.len();
+    let members: Vec<&HostTensor> = group.iter().map(|&r| xs[r]).collect();
+    let x_shape = &members[0].ty.shape;
+    let reduce = |r: Reduce| -> Vec<f64> {
+        let mut acc = members[0].data.clone();
+        for m in &members[1..] {
+            for (a, b) in acc.iter_mut().zip(&m.data) {
+                *a += b;
+            }
+        }
+        if r == Reduce::Avg {
+            for a in &mut acc {
+                *a /= n as f64;
+            }
+        }
+        acc
+    };
+    // Block `k` of `data` (of `shape`) along `axis`, of `n` equal blocks.
+    let block = |data: &[f64], shape: &[usize], axis: usize, k: usize| -> Vec<f64> {
+        let outer: usize = shape[..axis].iter().product();
+        let inner: usize = shape[axis + 1..].iter().product();
+        let len = shape[axis] / n;
+        let mut v = Vec::with_capacity(outer * len * inner);
+        for o in 0..outer {
+            let base = o * shape[axis] * inner + k * len * inner;
+            v.extend_from_slice(&data[base..base + len * inner]);
+        }
+        v
+    };
+    // `parts` (each of `shape`) concatenated along `axis`.
+    let concat = |parts: &[Vec<f64>], shape: &[usize], axis: usize| -> Vec<f64> {
+        let outer: usize = shape[..axis].iter().product();
+        let chunk: usize = shape[axis..].iter().product();
+        let mut v = Vec::with_capacity(outer * chunk * parts.len());
+        for o in 0..outer {
+            for p in parts {
+                v.extend_from_slice(&p[o * chunk..(o + 1) * chunk]);
+            }
+        }
+        v
+    };
+    let v = match collective {
+        Collective::AllGather { axis } => {
+            let parts: Vec<Vec<f64>> = members.iter().map(|m| m.data.clone()).collect();
+            concat(&parts, x_shape, axis)
+        }
+        Collective::ReduceScatter { axis, reduce: r } => block(&reduce(r), x_shape, axis, me),
+        Collective::AllReduce { reduce: r } => reduce(r),
+        Collective::AllToAll {
+            split_axis,
+            concat_axis,
+        } => {
+            let parts: Vec<Vec<f64>> = members
+                .iter()
+                .map(|m| block(&m.data, x_shape, split_axis, me))
+                .collect();
+            let mut part_shape = x_shape.clone();
+            part_shape[split_axis] /= n;
+            concat(&parts, &part_shape, concat_axis)
+        }
+        Collective::Broadcast { root } => members[root].data.clone(),
+    };
+    if v.len() != out.numel() {
+        return Err(format!(
+            "internal error: the collective produced {} values for {out}",
+            v.len()
+        ));
     }
-    let mut outputs = Vec::with_capacity(g.outputs.len());
-    for o in &g.outputs {
-        let v = o.value.index();
-        let missing = || {
-            InterpError::plain(format!(
-                "output `{}` reads %{v}, which nothing defines",
-                o.name
-            ))
-        };
-        pending[v] -= 1;
-        let t = if pending[v] == 0 {
-            slots[v].take().ok_or_else(missing)?.into_owned()
-        } else {
-            slots[v].as_deref().ok_or_else(missing)?.clone()
-        };
-        outputs.push(t);
-    }
-    Ok(RunOutput {
-        outputs,
-        peak_bytes: peak,
-    })
+    Ok(v)
 }
 
 fn free(slot: &mut Option<Cow<'_, HostTensor>>, live: &mut usize) {
@@ -368,6 +539,11 @@ fn eval(op: &Op, ins: &[&HostTensor], outs: &[TensorType]) -> Result<Vec<Vec<f64
             one(zip_map(&x.data, &ins[1].data, |p, g| {
                 p - lr * (g + weight_decay * p)
             }))
+        }
+        // The handle holds the collective's result; `run_ranks` computes it across ranks.
+        Op::Wait => one(x.data.clone()),
+        Op::CollectiveStart { .. } => {
+            Err("internal error: collectives are evaluated across ranks".into())
         }
     }
 }

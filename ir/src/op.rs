@@ -10,6 +10,7 @@
 //! - attention takes `[B, H, S, D]`; rope takes `[B, S, H, D]`.
 
 use crate::dtype::DType;
+use crate::mesh::Reduce;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -213,6 +214,49 @@ impl RopeLayout {
     }
 }
 
+/// What a collective computes over a group of ranks: the ranks that differ only in the
+/// coordinates of the collective's mesh dimensions, in the order `Mesh::group` gives; member `i`
+/// is the rank at position `i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Collective {
+    /// Every member gets the members' tensors concatenated along `axis`, in group order.
+    AllGather { axis: usize },
+    /// Member `i` gets block `i` (along `axis`) of the sum (or mean) of the members' tensors.
+    ReduceScatter { axis: usize, reduce: Reduce },
+    /// Every member gets the sum (or mean) of the members' tensors.
+    AllReduce { reduce: Reduce },
+    /// Member `i` splits its tensor along `split_axis` into group-size blocks and sends block
+    /// `j` to member `j`; it gets the blocks sent to it concatenated along `concat_axis`, in
+    /// sender order.
+    AllToAll {
+        split_axis: usize,
+        concat_axis: usize,
+    },
+    /// Every member gets member `root`'s tensor.
+    Broadcast { root: usize },
+}
+
+impl Collective {
+    /// The text-format name of its start node.
+    pub fn start_name(self) -> &'static str {
+        match self {
+            Collective::AllGather { .. } => "all_gather_start",
+            Collective::ReduceScatter { .. } => "reduce_scatter_start",
+            Collective::AllReduce { .. } => "all_reduce_start",
+            Collective::AllToAll { .. } => "all_to_all_start",
+            Collective::Broadcast { .. } => "broadcast_start",
+        }
+    }
+
+    pub const START_NAMES: [&'static str; 5] = [
+        "all_gather_start",
+        "reduce_scatter_start",
+        "all_reduce_start",
+        "all_to_all_start",
+        "broadcast_start",
+    ];
+}
+
 /// One operation. Attributes are static; tensors come in as node inputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
@@ -336,6 +380,19 @@ pub enum Op {
     },
     /// `param' = param - lr * (grad + weight_decay * param)`; inputs `(param, grad, lr: scalar)`.
     Sgd { weight_decay: f64 },
+
+    // ---- communication (graphs with a mesh)
+    /// Starts `collective` over the ranks that differ only along mesh dimensions `mesh_dims`
+    /// (`group` of them: the product of those dimensions' sizes). Its output is a handle, typed
+    /// as the result, that only its one `wait` may read: a pass may move the start earlier and
+    /// the wait later, and compute in between overlaps the communication.
+    CollectiveStart {
+        collective: Collective,
+        mesh_dims: Vec<usize>,
+        group: usize,
+    },
+    /// The result of the collective whose handle it reads, once it has arrived.
+    Wait,
 }
 
 /// An attribute value as written in the text format.
@@ -418,6 +475,8 @@ impl Op {
             Op::CrossEntropyBackward => "cross_entropy_backward",
             Op::AdamW { .. } => "adamw",
             Op::Sgd { .. } => "sgd",
+            Op::CollectiveStart { collective, .. } => collective.start_name(),
+            Op::Wait => "wait",
         }
     }
 
@@ -463,6 +522,8 @@ impl Op {
             "adamw",
             "sgd",
         ]);
+        names.extend(Collective::START_NAMES);
+        names.push("wait");
         names
     }
 
@@ -484,7 +545,9 @@ impl Op {
             | Op::Slice { .. }
             | Op::Rope { .. }
             | Op::Softmax { .. }
-            | Op::LogSoftmax { .. } => Exactly(1),
+            | Op::LogSoftmax { .. }
+            | Op::CollectiveStart { .. }
+            | Op::Wait => Exactly(1),
             Op::Binary(_)
             | Op::Compare(_)
             | Op::Gather { .. }
@@ -637,6 +700,31 @@ impl Op {
                 ("weight_decay", Attr::Float(*weight_decay)),
             ],
             Op::Sgd { weight_decay } => vec![("weight_decay", Attr::Float(*weight_decay))],
+            Op::CollectiveStart {
+                collective,
+                mesh_dims,
+                group,
+            } => {
+                let mut attrs = vec![("mesh_dims", ints(mesh_dims)), ("group", int(*group))];
+                let reduce = |r: Reduce| Attr::Ident(r.name().to_string());
+                match *collective {
+                    Collective::AllGather { axis } => attrs.push(("axis", int(axis))),
+                    Collective::ReduceScatter { axis, reduce: r } => {
+                        attrs.push(("axis", int(axis)));
+                        attrs.push(("reduce", reduce(r)));
+                    }
+                    Collective::AllReduce { reduce: r } => attrs.push(("reduce", reduce(r))),
+                    Collective::AllToAll {
+                        split_axis,
+                        concat_axis,
+                    } => {
+                        attrs.push(("split_axis", int(split_axis)));
+                        attrs.push(("concat_axis", int(concat_axis)));
+                    }
+                    Collective::Broadcast { root } => attrs.push(("root", int(root))),
+                }
+                attrs
+            }
             Op::Unary(_)
             | Op::Binary(_)
             | Op::Compare(_)
@@ -646,7 +734,8 @@ impl Op {
             | Op::Reload
             | Op::Embedding
             | Op::CrossEntropy
-            | Op::CrossEntropyBackward => Vec::new(),
+            | Op::CrossEntropyBackward
+            | Op::Wait => Vec::new(),
         }
     }
 
@@ -767,6 +856,35 @@ impl Op {
             "sgd" => Op::Sgd {
                 weight_decay: a.float("weight_decay")?,
             },
+            "wait" => Op::Wait,
+            start if Collective::START_NAMES.contains(&start) => {
+                let mesh_dims = a.usizes("mesh_dims")?;
+                let group = a.usize("group")?;
+                let collective = match start {
+                    "all_gather_start" => Collective::AllGather {
+                        axis: a.usize("axis")?,
+                    },
+                    "reduce_scatter_start" => Collective::ReduceScatter {
+                        axis: a.usize("axis")?,
+                        reduce: a.reduce("reduce")?,
+                    },
+                    "all_reduce_start" => Collective::AllReduce {
+                        reduce: a.reduce("reduce")?,
+                    },
+                    "all_to_all_start" => Collective::AllToAll {
+                        split_axis: a.usize("split_axis")?,
+                        concat_axis: a.usize("concat_axis")?,
+                    },
+                    _ => Collective::Broadcast {
+                        root: a.usize("root")?,
+                    },
+                };
+                Op::CollectiveStart {
+                    collective,
+                    mesh_dims,
+                    group,
+                }
+            }
             other => {
                 if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {
                     Op::Unary(u)
@@ -866,6 +984,16 @@ impl<'a> AttrReader<'a> {
                 self.op
             )),
         }
+    }
+
+    fn reduce(&mut self, key: &str) -> Result<Reduce, String> {
+        let s = self.ident(key)?;
+        Reduce::from_name(&s).ok_or_else(|| {
+            format!(
+                "{}: attribute `{key}` must be `sum` or `avg`, found `{s}`",
+                self.op
+            )
+        })
     }
 
     fn dtype(&mut self, key: &str) -> Result<DType, String> {

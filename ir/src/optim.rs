@@ -8,9 +8,9 @@
 //!   tensor, each donating the input it replaces, so the update happens in place;
 //! - optimizer nodes carry phase `opt` and the parameter's name as module path.
 
-use crate::autodiff::{grad, AutodiffError};
+use crate::autodiff::{grad_with, AutodiffError, GradOptions};
 use crate::dtype::{DType, TensorType};
-use crate::graph::{Graph, InputKind, Meta, Phase, ValueId};
+use crate::graph::{Graph, InputKind, Meta, Phase, TypeError, ValueId};
 use crate::op::{BinaryOp, Op, UnaryOp};
 use crate::trace::{ParamSpec, Traced};
 use serde::{Deserialize, Serialize};
@@ -110,11 +110,49 @@ pub fn state_name(kind: &str, param: &str) -> String {
     format!("opt.{kind}.{param}")
 }
 
+/// How the ranks of an SPMD train step combine what each computes (passes' `parallelize` builds
+/// one from its plan). Each rank differentiates its own local loss; these say what to add.
+pub trait RankReductions {
+    /// The cotangent each rank's backward pass starts from (1 / the number of ranks the loss is
+    /// averaged over).
+    fn seed(&self) -> f64;
+    /// The gradient the update of parameter `index` (in `Traced::params` order) uses, from the
+    /// one the rank's backward pass computed: reductions over the mesh dimensions where the
+    /// parameter is replicated but its gradient partial.
+    fn reduce_grad(
+        &self,
+        g: &mut Graph,
+        index: usize,
+        grad: ValueId,
+        meta: &Meta,
+    ) -> Result<ValueId, TypeError>;
+    /// The global sum of all squared gradients from this rank's per-parameter sums.
+    fn square_sum(
+        &self,
+        g: &mut Graph,
+        sums: &[ValueId],
+        meta: &Meta,
+    ) -> Result<ValueId, TypeError>;
+    /// The loss the step outputs, from the rank's local loss.
+    fn report_loss(&self, g: &mut Graph, loss: ValueId, meta: &Meta) -> Result<ValueId, TypeError>;
+}
+
 /// Appends backward and optimizer to a traced forward graph whose output `loss_output` is the loss.
 pub fn build_train_step(
     traced: Traced,
     loss_output: &str,
     cfg: &OptimConfig,
+) -> Result<TrainStep, BuildError> {
+    build_train_step_with(traced, loss_output, cfg, None)
+}
+
+/// `build_train_step` for a graph whose ranks combine their work through `ranks` (none: one
+/// device).
+pub fn build_train_step_with(
+    traced: Traced,
+    loss_output: &str,
+    cfg: &OptimConfig,
+    ranks: Option<&dyn RankReductions>,
 ) -> Result<TrainStep, BuildError> {
     let mut g = traced.graph;
     let loss = g
@@ -123,7 +161,19 @@ pub fn build_train_step(
         .value;
     g.outputs.clear();
     let params: Vec<ValueId> = traced.params.iter().map(|p| p.value).collect();
-    let grads = grad(&mut g, loss, &params)?;
+    let opts = GradOptions {
+        seed: ranks.map(|r| r.seed()),
+        ..GradOptions::default()
+    };
+    let mut grads = grad_with(&mut g, loss, &params, &opts)?;
+    let mut loss = loss;
+    if let Some(r) = ranks {
+        let meta = Meta::new("optim.reduce_grads", Phase::Backward);
+        for (i, gr) in grads.iter_mut().enumerate() {
+            *gr = r.reduce_grad(&mut g, i, *gr, &meta)?;
+        }
+        loss = r.report_loss(&mut g, loss, &Meta::new("optim.loss", Phase::Backward))?;
+    }
 
     let scalar_dtype = traced
         .params
@@ -134,7 +184,17 @@ pub fn build_train_step(
     let step = g.add_input("step", InputKind::Data, TensorType::scalar(scalar_dtype));
 
     let clip = Meta::new("optim.clip_grad_norm", Phase::Optimizer);
-    let grad_norm = global_norm(&mut g, &grads, &clip)?;
+    let grad_norm = match ranks {
+        None => global_norm(&mut g, &grads, &clip)?,
+        Some(r) => {
+            let mut sums = Vec::with_capacity(grads.len());
+            for gr in &grads {
+                sums.push(square_sum(&mut g, *gr, &clip)?);
+            }
+            let total = r.square_sum(&mut g, &sums, &clip)?;
+            g.push1(Op::Unary(UnaryOp::Sqrt), vec![total], clip.clone())?
+        }
+    };
     let grads = match cfg.max_grad_norm {
         Some(max_norm) => clip_grads(&mut g, &grads, grad_norm, max_norm, &clip)?,
         None => grads,
@@ -206,6 +266,20 @@ pub fn build_train_step(
         })
         .collect();
     Ok(TrainStep { graph, params })
+}
+
+/// Σ g² of one gradient, as a scalar.
+fn square_sum(g: &mut Graph, gr: ValueId, meta: &Meta) -> Result<ValueId, TypeError> {
+    let rank = g.ty(gr).rank();
+    let sq = g.push1(Op::Unary(UnaryOp::Square), vec![gr], meta.clone())?;
+    g.push1(
+        Op::ReduceSum {
+            axes: (0..rank).collect(),
+            keepdim: false,
+        },
+        vec![sq],
+        meta.clone(),
+    )
 }
 
 /// sqrt(Σ_p Σ g_p²) as a scalar.

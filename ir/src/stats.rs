@@ -51,6 +51,8 @@ pub fn node_flops(g: &Graph, node: &crate::graph::Node) -> f64 {
         | Op::Slice { .. }
         | Op::Concat { .. } => 0.0,
         Op::Full { .. } | Op::Iota { .. } | Op::Offload | Op::Reload => 0.0,
+        // Communication moves bytes; it computes nothing worth counting as FLOPs.
+        Op::CollectiveStart { .. } | Op::Wait => 0.0,
         Op::Embedding | Op::Gather { .. } => 0.0,
         _ => node
             .inputs

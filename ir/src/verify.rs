@@ -10,10 +10,18 @@
 //! - phases never go backwards along the schedule (forward, loss, backward, optimizer);
 //! - donation: an output may only donate a `param` or `state` input of the same type, each input
 //!   is donated at most once, a donated input is not itself an output, and nothing reads a donated
-//!   input after the node that writes its replacement (the buffer is overwritten in place).
+//!   input after the node that writes its replacement (the buffer is overwritten in place);
+//! - SPMD graphs (with a mesh; collectives and placements need one): every collective start is
+//!   read by exactly one `wait`, its group is the size of its mesh dimensions, input and output
+//!   placements fit the mesh (parameters and state are never partial), every op can take its
+//!   operands' placements (`spmd::propagate`), and declared output placements are the computed
+//!   ones.
 
 use crate::graph::{Graph, InputKind, ValueId};
 use crate::infer::infer_types;
+use crate::mesh::Placement;
+use crate::op::Op;
+use crate::spmd::propagate;
 use std::collections::HashSet;
 use std::fmt;
 
@@ -138,7 +146,145 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
         last_phase = Some(node.meta.phase);
     }
 
-    verify_outputs(g, &defined_at)
+    verify_outputs(g, &defined_at)?;
+    verify_spmd(g)
+}
+
+/// Collectives and placements: only with a mesh; every collective start read by exactly one
+/// `wait` (and a `wait` reads only a start); groups that match the mesh; placements that fit
+/// the mesh and the value; and placement propagation through every node (`spmd.rs`).
+fn verify_spmd(g: &Graph) -> Result<(), VerifyError> {
+    let node_error = |i: usize, message: String| {
+        let n = &g.nodes[i];
+        VerifyError {
+            node: Some(i),
+            op: Some(n.op.name()),
+            module: n.meta.module.clone(),
+            message,
+        }
+    };
+    let Some(mesh) = &g.mesh else {
+        if let Some(i) = g
+            .nodes
+            .iter()
+            .position(|n| matches!(n.op, Op::CollectiveStart { .. } | Op::Wait))
+        {
+            return Err(node_error(
+                i,
+                "a collective in a graph without a mesh".into(),
+            ));
+        }
+        let placed = g
+            .inputs
+            .iter()
+            .find(|i| i.placement.is_some())
+            .map(|i| &i.name);
+        let placed = placed.or(g
+            .outputs
+            .iter()
+            .find(|o| o.placement.is_some())
+            .map(|o| &o.name));
+        if let Some(name) = placed {
+            return Err(graph_error(format!(
+                "`{name}` has a placement but the graph has no mesh"
+            )));
+        }
+        return Ok(());
+    };
+    let producers = g.producers();
+    let users = g.users();
+    for (i, n) in g.nodes.iter().enumerate() {
+        match &n.op {
+            Op::CollectiveStart {
+                mesh_dims, group, ..
+            } => {
+                if let Some(d) = mesh_dims.iter().find(|d| **d >= mesh.dims.len()) {
+                    return Err(node_error(
+                        i,
+                        format!("mesh dimension {d} is not in the mesh {mesh}"),
+                    ));
+                }
+                let mut sorted = mesh_dims.clone();
+                sorted.sort_unstable();
+                sorted.dedup();
+                if sorted.len() != mesh_dims.len() {
+                    return Err(node_error(
+                        i,
+                        format!("mesh dimensions {mesh_dims:?} repeat"),
+                    ));
+                }
+                if *group != mesh.group_size(mesh_dims) {
+                    return Err(node_error(
+                        i,
+                        format!(
+                            "group {group} is not the size of mesh dimensions {mesh_dims:?} of {mesh} ({})",
+                            mesh.group_size(mesh_dims)
+                        ),
+                    ));
+                }
+                let handle = n.outputs[0];
+                let readers = &users[handle.index()];
+                let waits = readers
+                    .iter()
+                    .filter(|&&u| g.nodes[u].op == Op::Wait)
+                    .count();
+                if readers.len() != 1 || waits != 1 {
+                    return Err(node_error(
+                        i,
+                        format!(
+                            "its handle must be read by exactly one `wait` and nothing else (read by {} node(s), {waits} wait(s))",
+                            readers.len()
+                        ),
+                    ));
+                }
+                if g.outputs.iter().any(|o| o.value == handle) {
+                    return Err(node_error(
+                        i,
+                        "its handle is a graph output; wait for it first".into(),
+                    ));
+                }
+            }
+            Op::Wait => {
+                let from = producers[n.inputs[0].index()];
+                if !from.is_some_and(|p| matches!(g.nodes[p].op, Op::CollectiveStart { .. })) {
+                    return Err(node_error(
+                        i,
+                        "waits on a value no collective start produced".into(),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    for input in &g.inputs {
+        let Some(p) = &input.placement else { continue };
+        p.check(mesh, g.ty(input.value).rank())
+            .map_err(|m| graph_error(format!("input `{}`: {m}", input.name)))?;
+        if input.kind != InputKind::Data && p.0.iter().any(|q| matches!(q, Placement::Partial(_))) {
+            return Err(graph_error(format!(
+                "input `{}` is placed {p}: parameters and optimizer state are sharded or replicated, never partial",
+                input.name
+            )));
+        }
+    }
+    let propagation = propagate(g, mesh).map_err(|(i, m)| node_error(i, m))?;
+    for out in &g.outputs {
+        let Some(declared) = &out.placement else {
+            continue;
+        };
+        declared
+            .check(mesh, g.ty(out.value).rank())
+            .map_err(|m| graph_error(format!("output `{}`: {m}", out.name)))?;
+        if let Some(computed) = &propagation.placements[out.value.index()] {
+            if computed != declared {
+                return Err(graph_error(format!(
+                    "output `{}` is declared {declared} but the graph computes it {computed}",
+                    out.name
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn verify_outputs(g: &Graph, defined_at: &[Option<Option<usize>>]) -> Result<(), VerifyError> {

@@ -96,6 +96,18 @@ op_kinds! {
     Op::CrossEntropyBackward => [Op::CrossEntropyBackward],
     Op::AdamW { .. } => [Op::AdamW { beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0 }],
     Op::Sgd { .. } => [Op::Sgd { weight_decay: 0.0 }],
+    Op::CollectiveStart { .. } => {
+        use graphtrain_ir::{Collective::*, Reduce::Sum};
+        [
+            AllGather { axis: 0 },
+            ReduceScatter { axis: 0, reduce: Sum },
+            AllReduce { reduce: Sum },
+            AllToAll { split_axis: 0, concat_axis: 0 },
+            Broadcast { root: 0 },
+        ]
+        .map(|collective| Op::CollectiveStart { collective, mesh_dims: vec![0], group: 1 })
+    },
+    Op::Wait => [Op::Wait],
 }
 
 type Cots = Vec<Option<ValueId>>;
@@ -117,6 +129,9 @@ enum Plan {
     Rule(Break),
     /// The op has no gradient rule, for this reason.
     NoRule(&'static str),
+    /// The op combines ranks: its rule is checked on the N-rank interpreter, against finite
+    /// differences of all ranks together (`tests/spmd.rs`).
+    OnRanks,
 }
 
 fn brk(what: &'static str, apply: BreakFn) -> Plan {
@@ -413,6 +428,7 @@ fn plan(op: &Op) -> Plan {
         Op::AdamW { .. } | Op::Sgd { .. } => {
             Plan::NoRule("an optimizer step: never differentiated; autodiff refuses it")
         }
+        Op::CollectiveStart { .. } | Op::Wait => Plan::OnRanks,
     }
 }
 
@@ -1130,7 +1146,10 @@ fn gradcheck_inner(c: &Case, hook: Option<RuleHook<'_>>) -> Outcome {
         return Error("the case has no float output".into());
     };
     let wrt = differentiated(c, &g);
-    let opts = GradOptions { replace_rule: hook };
+    let opts = GradOptions {
+        replace_rule: hook,
+        ..GradOptions::default()
+    };
     let wrt_values: Vec<ValueId> = wrt.iter().map(|w| w.1).collect();
     let grads = match grad_with(&mut g, loss, &wrt_values, &opts) {
         Ok(gr) => gr,
@@ -1342,6 +1361,7 @@ fn every_op_kind_has_a_case_or_no_rule() {
                     problems.push(format!("{name}: has no rule but no case showing it"));
                 }
             }
+            Plan::OnRanks => {}
         }
     }
     for c in &cases {

@@ -65,6 +65,19 @@ pub fn lower_with_limits(
     if let Some(k) = g
         .nodes
         .iter()
+        .position(|n| matches!(n.op, Op::CollectiveStart { .. } | Op::Wait))
+    {
+        return Err(err(
+            g,
+            k,
+            "collectives are not lowered yet: an SPMD graph (with a mesh) runs on the reference \
+interpreter's ranks only"
+                .to_string(),
+        ));
+    }
+    if let Some(k) = g
+        .nodes
+        .iter()
         .position(|n| n.op.is_composite() && !keep(&n.op))
     {
         return Err(err(

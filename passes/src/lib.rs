@@ -19,6 +19,7 @@ pub mod cse;
 pub mod dce;
 pub mod egraph;
 pub mod offload;
+pub mod parallelize;
 pub mod remat;
 
 pub use pass::{Decline, Pass, PassError, PassReport, Tier};

@@ -17,6 +17,9 @@
 //! }
 //! ```
 //!
+//! - `mesh dp_shard=2,tp=2` (first, and only in an SPMD graph) declares the device mesh; an input
+//!   or output may then end in `@ [shard(0), replicate]`, its placement on each mesh dimension
+//!   (see [`crate::mesh`]). Types are always the local (per-rank) ones.
 //! - `input`, `param` and `state` declare graph inputs (data, parameters, optimizer state) by
 //!   name; they come first.
 //! - A node line lists its outputs with their types, the op name, the operands and then the
@@ -67,14 +70,21 @@ fn write_graph(out: &mut impl Write, g: &Graph) -> fmt::Result {
     let value = |v: ValueId| ValueName(input_names[v.index()], v.0);
 
     writeln!(out, "graph {} {{", g.name)?;
+    if let Some(mesh) = &g.mesh {
+        writeln!(out, "  mesh {mesh}")?;
+    }
     for input in &g.inputs {
-        writeln!(
+        write!(
             out,
             "  {} {}: {}",
             input.kind.keyword(),
             value(input.value),
             g.ty(input.value)
         )?;
+        if let Some(p) = &input.placement {
+            write!(out, " @ {p}")?;
+        }
+        out.write_char('\n')?;
     }
     for node in &g.nodes {
         out.write_str("  ")?;
@@ -102,6 +112,9 @@ fn write_graph(out: &mut impl Write, g: &Graph) -> fmt::Result {
         write!(out, "  output {} = {}", output.name, value(output.value))?;
         if let Some(d) = output.donates {
             write!(out, " donates {}", value(d))?;
+        }
+        if let Some(p) = &output.placement {
+            write!(out, " @ {p}")?;
         }
         out.write_char('\n')?;
     }

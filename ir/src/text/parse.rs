@@ -7,6 +7,7 @@
 
 use crate::dtype::{DType, TensorType};
 use crate::graph::{Graph, InputKind, Meta, Phase, Remat, ValueId};
+use crate::mesh::{Mesh, Placement, Placements};
 use crate::op::{Attr, Op};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -167,7 +168,9 @@ impl<'a> Line<'a> {
                     continue;
                 }
                 '/' if chars.get(i + 1).is_some_and(|&(_, c)| c == '/') => break,
-                '{' | '}' | '(' | ')' | '[' | ']' | ',' | ':' | '=' | '#' => (Tok::Punct(c), i + 1),
+                '{' | '}' | '(' | ')' | '[' | ']' | ',' | ':' | '=' | '#' | '@' => {
+                    (Tok::Punct(c), i + 1)
+                }
                 '%' => {
                     let end = scan(i + 1, is_name_char);
                     if end == i + 1 {
@@ -493,11 +496,64 @@ impl<'a> Parser<'a> {
             Some(Tok::Word("param")) => self.input(line, InputKind::Param),
             Some(Tok::Word("state")) => self.input(line, InputKind::State),
             Some(Tok::Word("output")) => self.output(line),
+            Some(Tok::Word("mesh")) => self.mesh(line),
             Some(Tok::Value(_)) => self.node(line),
             _ => Err(line.expected(
-                "`input`, `param`, `state`, a node `%v: TYPE = op(...)`, `output` or `}`",
+                "`mesh`, `input`, `param`, `state`, a node `%v: TYPE = op(...)`, `output` or `}`",
             )),
         }
+    }
+
+    /// `mesh NAME=SIZE, NAME=SIZE`, before the inputs.
+    fn mesh(&mut self, line: &mut Line<'a>) -> Result<(), ParseError> {
+        let col = line.col();
+        if self.section != Section::Inputs || !self.graph.inputs.is_empty() {
+            return Err(line.error(col, "the mesh must be declared before the inputs".into()));
+        }
+        if self.graph.mesh.is_some() {
+            return Err(line.error(col, "the mesh is declared twice".into()));
+        }
+        line.advance();
+        let mut text = String::new();
+        loop {
+            let (name, _) = line.word("a mesh dimension `NAME=SIZE`")?;
+            line.expect('=', "after the mesh dimension name")?;
+            let (size, _) = line.word("the mesh dimension's size")?;
+            text.push_str(&format!("{name}={size},"));
+            if !line.eat(',') {
+                break;
+            }
+        }
+        line.expect_end("`,` or end of line after the mesh")?;
+        self.graph.mesh = Some(Mesh::parse(&text).map_err(|m| line.error(col, m))?);
+        Ok(())
+    }
+
+    /// `@ [shard(0), replicate, partial(sum)]` after an input or output, if present.
+    fn placements(&mut self, line: &mut Line<'a>) -> Result<Option<Placements>, ParseError> {
+        if !line.eat('@') {
+            return Ok(None);
+        }
+        line.expect('[', "after `@`")?;
+        let mut placements = Vec::new();
+        loop {
+            let col = line.col();
+            let (word, _) = line.word("a placement: shard(D), replicate or partial(sum|avg)")?;
+            let mut text = word.to_string();
+            if line.eat('(') {
+                let (arg, _) = line.word("the placement's argument")?;
+                line.expect(')', "after the placement's argument")?;
+                text = format!("{word}({arg})");
+            }
+            placements.push(Placement::parse(&text).map_err(|m| line.error(col, m))?);
+            if line.eat(']') {
+                break;
+            }
+            if !line.eat(',') {
+                return Err(line.expected("`,` or `]` in the placements"));
+            }
+        }
+        Ok(Some(Placements(placements)))
     }
 
     /// `input|param|state %NAME: TYPE`
@@ -516,8 +572,10 @@ impl<'a> Parser<'a> {
         }
         line.expect(':', "after the input name")?;
         let ty = line.tensor_type()?;
-        line.expect_end("end of line after the input type")?;
+        let placement = self.placements(line)?;
+        line.expect_end("`@ [placements]` or end of line after the input type")?;
         let value = self.graph.add_input(name, kind, ty);
+        self.graph.inputs.last_mut().expect("just added").placement = placement;
         self.values.insert(name, value);
         Ok(())
     }
@@ -625,8 +683,10 @@ impl<'a> Parser<'a> {
         } else {
             None
         };
-        line.expect_end("`donates %input` or end of line")?;
+        let placement = self.placements(line)?;
+        line.expect_end("`donates %input`, `@ [placements]` or end of line")?;
         self.graph.add_output(name, value, donates);
+        self.graph.outputs.last_mut().expect("just added").placement = placement;
         Ok(())
     }
 }

@@ -448,6 +448,7 @@ pub fn rebuild(
         };
         out.add_output(o.name.clone(), value, donates);
     }
+    out.keep_distribution_of(g);
     Ok(out)
 }
 

@@ -1,0 +1,597 @@
+//! `parallelize`: a single-device forward-and-loss graph and a [`Plan`] in, the SPMD train step
+//! over a [`Mesh`] out. It runs before `--passes`, which then see every collective as a node.
+//!
+//! What it builds (torchtitan's SimpleFSDP, with its mesh names):
+//! - data inputs (`tokens`, `targets`) split by rows over `dp_replicate` and `dp_shard` (the
+//!   batch must divide): each rank traces nothing new, its local graph has the local batch;
+//! - parameters placed as the plan says. A parameter sharded over `dp_shard` (FSDP, the built-in
+//!   plan) is all-gathered (a start and a wait node) right before its first use in forward, and
+//!   all-gathered again before its first use in backward, so no gathered weight lives from
+//!   forward to backward (keeping it instead is a scheduling policy for a later pass); its
+//!   gradient is reduce-scattered (the all-gather's adjoint) and AdamW updates only the rank's
+//!   shard, with optimizer state sharded alike;
+//! - gradients of parameters replicated over a data dimension are all-reduced over it (DDP over
+//!   `dp_replicate`, and HSDP as the two together);
+//! - each rank starts its backward pass at 1 / (data ranks), so the sum over ranks is the
+//!   gradient of the global mean loss; the global gradient norm (and clipping) sums the ranks'
+//!   squared shards with an all-reduce; the reported `loss` is averaged over the data ranks.
+//!
+//! Guarantees: the result passes the verifier, placement propagation included; every input and
+//! output carries its placement; a mesh whose dimensions are all of size 1 gives exactly the
+//! single-device train step (no collective is emitted over a dimension of size 1).
+//!
+//! Declines, with an error naming what and where: a mesh with `tp`, `cp`, `pp` or `ep` larger
+//! than 1 (tensor parallelism is not built yet); a batch or a parameter dimension that does not
+//! split evenly; a plan rule that matches no parameter or names an unknown mesh dimension; an
+//! op whose operands' placements it has no rule for.
+
+use graphtrain_ir::graph::{Graph, InputKind, Meta, Phase, TypeError, ValueId};
+use graphtrain_ir::mesh::{Mesh, Placement, Placements, Reduce};
+use graphtrain_ir::op::{Collective, Op};
+use graphtrain_ir::optim::{build_train_step_with, OptimConfig, RankReductions, TrainStep};
+use graphtrain_ir::spmd::node_rule;
+use graphtrain_ir::trace::{ParamSpec, Traced};
+use graphtrain_ir::{verify, BinaryOp, TensorType};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Where parameters live on the mesh: rules in order, the first whose pattern matches a
+/// parameter's name decides; a parameter no rule matches is replicated. Written in RON, e.g.
+/// `(params: [(pattern: "*", placements: {"dp_shard": Shard(0)})])`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub params: Vec<ParamRule>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamRule {
+    /// A parameter name, where `*` stands for any run of characters (`layers.*.attention.wq.weight`).
+    pub pattern: String,
+    /// The placement per mesh dimension name; dimensions not named are replicated.
+    pub placements: BTreeMap<String, Placement>,
+}
+
+impl Plan {
+    /// The built-in plan for Llama 3: FSDP over `dp_shard` for every parameter (row blocks).
+    pub fn fsdp() -> Plan {
+        Plan {
+            params: vec![ParamRule {
+                pattern: "*".into(),
+                placements: BTreeMap::from([("dp_shard".to_string(), Placement::Shard(0))]),
+            }],
+        }
+    }
+
+    pub fn from_ron(text: &str) -> Result<Plan, String> {
+        ron::from_str(text).map_err(|e| format!("plan: {e}"))
+    }
+
+    pub fn to_ron(&self) -> String {
+        ron::ser::to_string_pretty(self, ron::ser::PrettyConfig::default())
+            .expect("a plan serializes")
+    }
+}
+
+/// `*` matches any run of characters, everything else itself.
+fn glob(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else {
+                return false;
+            };
+            (0..=tail.len()).any(|i| tail.is_char_boundary(i) && glob(rest, &tail[i..]))
+        }
+    }
+}
+
+/// The data dimensions: the batch is split over these.
+const DATA_DIMS: [&str; 2] = ["dp_replicate", "dp_shard"];
+
+/// The SPMD train step and what a runner needs to feed it.
+pub struct Parallel {
+    pub step: TrainStep,
+    pub mesh: Mesh,
+    /// Every parameter's placement, by name (optimizer state is placed as its parameter).
+    pub param_placements: BTreeMap<String, Placements>,
+}
+
+/// Builds the SPMD train step of `traced` (a single-device forward graph whose output `loss` is
+/// the mean loss) over `mesh` with parameters placed by `plan`.
+pub fn parallelize(
+    traced: Traced,
+    mesh: &Mesh,
+    plan: &Plan,
+    cfg: &OptimConfig,
+) -> Result<Parallel, String> {
+    for d in &mesh.dims {
+        if !DATA_DIMS.contains(&d.name.as_str()) && d.size > 1 {
+            return Err(format!(
+                "mesh {mesh}: `{}` is not supported yet (tensor, context, pipeline and expert parallelism are not built); use dp_replicate and dp_shard",
+                d.name
+            ));
+        }
+    }
+    let placements = param_placements(&traced, mesh, plan)?;
+    let data_split = data_placements(mesh);
+    let local = localize(&traced, mesh, &placements, &data_split)?;
+
+    let reductions = DataParallel {
+        mesh: mesh.clone(),
+        params: traced
+            .params
+            .iter()
+            .map(|p| placements[&p.name].clone())
+            .collect(),
+    };
+    let step = build_train_step_with(local, "loss", cfg, Some(&reductions))
+        .map_err(|e| format!("parallelize: {e}"))?;
+    let mut step = step;
+    step.graph = regather_in_backward(&step.graph);
+    place_signature(&mut step.graph, mesh, &placements, &data_split);
+    step.graph = step.graph.canonical();
+    for p in &mut step.params {
+        p.value = step
+            .graph
+            .input_named(&p.name)
+            .map(|i| i.value)
+            .unwrap_or(p.value);
+    }
+    verify(&step.graph).map_err(|e| format!("parallelize built an invalid graph: {e}"))?;
+    Ok(Parallel {
+        step,
+        mesh: mesh.clone(),
+        param_placements: placements,
+    })
+}
+
+/// Every parameter's placement from the plan, checked against the mesh and the shapes.
+fn param_placements(
+    traced: &Traced,
+    mesh: &Mesh,
+    plan: &Plan,
+) -> Result<BTreeMap<String, Placements>, String> {
+    for rule in &plan.params {
+        if !traced.params.iter().any(|p| glob(&rule.pattern, &p.name)) {
+            let names: Vec<&str> = traced
+                .params
+                .iter()
+                .take(4)
+                .map(|p| p.name.as_str())
+                .collect();
+            return Err(format!(
+                "plan: `{}` matches no parameter (parameters are named like {})",
+                rule.pattern,
+                names.join(", ")
+            ));
+        }
+        for name in rule.placements.keys() {
+            if mesh.dim(name).is_none()
+                && !graphtrain_ir::mesh::MESH_DIM_NAMES.contains(&name.as_str())
+            {
+                return Err(format!(
+                    "plan: `{}` places on `{name}`, which is not a mesh dimension (known: {})",
+                    rule.pattern,
+                    graphtrain_ir::mesh::MESH_DIM_NAMES.join(", ")
+                ));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    for p in &traced.params {
+        let ty = traced.graph.ty(p.value);
+        let rule = plan.params.iter().find(|r| glob(&r.pattern, &p.name));
+        let placements = Placements(
+            mesh.dims
+                .iter()
+                .map(|d| {
+                    let wanted = rule.and_then(|r| r.placements.get(&d.name)).copied();
+                    // A dimension of size 1 splits nothing: replicated, so that a mesh of
+                    // ones is the single-device step.
+                    match wanted {
+                        Some(p) if d.size > 1 => p,
+                        _ => Placement::Replicate,
+                    }
+                })
+                .collect(),
+        );
+        if let Some(q) = placements
+            .0
+            .iter()
+            .find(|q| matches!(q, Placement::Partial(_)))
+        {
+            return Err(format!("plan: parameter `{}` cannot be {q}", p.name));
+        }
+        placements
+            .local_shape(mesh, &ty.shape)
+            .map_err(|e| format!("parameter `{}` ({ty}): {e}", p.name))?;
+        out.insert(p.name.clone(), placements);
+    }
+    Ok(out)
+}
+
+/// Rows of the batch over the data dimensions of size > 1.
+fn data_placements(mesh: &Mesh) -> Placements {
+    Placements(
+        mesh.dims
+            .iter()
+            .map(|d| {
+                if DATA_DIMS.contains(&d.name.as_str()) && d.size > 1 {
+                    Placement::Shard(0)
+                } else {
+                    Placement::Replicate
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The mesh dimensions (of size > 1) where `p` is sharded.
+fn sharded_dims(p: &Placements, mesh: &Mesh) -> Vec<usize> {
+    (0..mesh.dims.len())
+        .filter(|&m| mesh.dims[m].size > 1 && matches!(p.0[m], Placement::Shard(_)))
+        .collect()
+}
+
+/// A start and its wait.
+fn collective(
+    g: &mut Graph,
+    c: Collective,
+    mesh: &Mesh,
+    dims: &[usize],
+    x: ValueId,
+    meta: &Meta,
+) -> Result<ValueId, TypeError> {
+    let handle = g.push1(
+        Op::CollectiveStart {
+            collective: c,
+            mesh_dims: dims.to_vec(),
+            group: mesh.group_size(dims),
+        },
+        vec![x],
+        meta.clone(),
+    )?;
+    g.push1(Op::Wait, vec![handle], meta.clone())
+}
+
+/// The forward graph each rank runs: local input shapes, parameters gathered before first use,
+/// shape attributes rewritten to local shapes. Placements follow `spmd::node_rule` on the
+/// global types.
+fn localize(
+    traced: &Traced,
+    mesh: &Mesh,
+    params: &BTreeMap<String, Placements>,
+    data: &Placements,
+) -> Result<Traced, String> {
+    let src = &traced.graph;
+    let mut g = Graph::new(src.name.clone());
+    g.mesh = Some(mesh.clone());
+    // For every source value: its local value and placement.
+    let mut map: Vec<Option<(ValueId, Placements)>> = vec![None; src.values.len()];
+    let mut new_params = Vec::new();
+    for input in &src.inputs {
+        let ty = src.ty(input.value);
+        let placement = match input.kind {
+            InputKind::Param | InputKind::State => params
+                .get(&input.name)
+                .cloned()
+                .unwrap_or_else(|| Placements::replicated(mesh)),
+            InputKind::Data if ty.rank() > 0 => data.clone(),
+            InputKind::Data => Placements::replicated(mesh),
+        };
+        let local = placement.local_shape(mesh, &ty.shape).map_err(|e| {
+            format!(
+                "input `{}` ({ty}) does not split over the mesh {mesh}: {e}",
+                input.name
+            )
+        })?;
+        let v = g.add_input(
+            input.name.clone(),
+            input.kind,
+            TensorType::new(ty.dtype, local),
+        );
+        g.inputs.last_mut().expect("just added").placement = Some(placement.clone());
+        map[input.value.index()] = Some((v, placement));
+    }
+    for p in &traced.params {
+        let (value, _) = map[p.value.index()].clone().expect("parameters are inputs");
+        new_params.push(ParamSpec { value, ..p.clone() });
+    }
+    // Parameters sharded over some dims are gathered once, right before their first use.
+    let mut gathered: BTreeMap<usize, (ValueId, Placements)> = BTreeMap::new();
+    let param_of: BTreeMap<usize, &str> = traced
+        .params
+        .iter()
+        .map(|p| (p.value.index(), p.name.as_str()))
+        .collect();
+    for (i, node) in src.nodes.iter().enumerate() {
+        let at = |m: String| {
+            format!(
+                "node {i} ({} in `{}`): {m}",
+                node.op.name(),
+                node.meta.module
+            )
+        };
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for v in &node.inputs {
+            let (local, placement) = map[v.index()].clone().expect("operands come first");
+            let sharded = sharded_dims(&placement, mesh);
+            if param_of.contains_key(&v.index()) && !sharded.is_empty() {
+                if let Some(done) = gathered.get(&v.index()) {
+                    ins.push(done.clone());
+                    continue;
+                }
+                let meta = Meta::new(module_of(param_of[&v.index()]), Phase::Forward);
+                let mut x = local;
+                // One all-gather per sharded mesh dim, along the axis it splits.
+                for &m in &sharded {
+                    let Placement::Shard(axis) = placement.0[m] else {
+                        unreachable!()
+                    };
+                    x = collective(&mut g, Collective::AllGather { axis }, mesh, &[m], x, &meta)
+                        .map_err(|e| at(e.to_string()))?;
+                }
+                let full = (x, Placements::replicated(mesh));
+                gathered.insert(v.index(), full.clone());
+                ins.push(full);
+            } else {
+                ins.push((local, placement));
+            }
+        }
+        let in_placements: Vec<&Placements> = ins.iter().map(|(_, p)| p).collect();
+        let global_in: Vec<&TensorType> = node.inputs.iter().map(|v| src.ty(*v)).collect();
+        let global_out: Vec<&TensorType> = node.outputs.iter().map(|v| src.ty(*v)).collect();
+        let outs = node_rule(&node.op, &in_placements, &global_in, &global_out, mesh)
+            .map_err(&at)?
+            .ok_or_else(|| at("no placement rule for this op yet".into()))?;
+        let local_out: Vec<TensorType> = global_out
+            .iter()
+            .zip(&outs)
+            .map(|(t, p)| {
+                p.local_shape(mesh, &t.shape)
+                    .map(|s| TensorType::new(t.dtype, s))
+                    .map_err(|e| at(format!("its result {t} does not split: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        let op = with_local_shape(&node.op, &local_out[0]);
+        let values = g
+            .push(op, ins.iter().map(|(v, _)| *v).collect(), node.meta.clone())
+            .map_err(|e| at(e.to_string()))?;
+        for (k, ((src_v, v), p)) in node.outputs.iter().zip(values).zip(outs).enumerate() {
+            if *g.ty(v) != local_out[k] {
+                return Err(at(format!(
+                    "internal error: local type {} where the placements give another",
+                    g.ty(v)
+                )));
+            }
+            map[src_v.index()] = Some((v, p));
+        }
+    }
+    for out in &src.outputs {
+        let (v, _) = map[out.value.index()].clone().expect("outputs are defined");
+        g.add_output(out.name.clone(), v, None);
+    }
+    Ok(Traced {
+        graph: g,
+        params: new_params,
+    })
+}
+
+/// `layers.0.attention.wq.weight` -> `layers.0.attention.wq`: the gather belongs to the module.
+fn module_of(param: &str) -> String {
+    param
+        .rsplit_once('.')
+        .map_or(param.to_string(), |(m, _)| m.to_string())
+}
+
+/// `op` with the shape attribute that fixes its result's shape set to `local`.
+fn with_local_shape(op: &Op, local: &TensorType) -> Op {
+    let shape = local.shape.clone();
+    match op {
+        Op::Reshape { .. } => Op::Reshape { shape },
+        Op::Expand { .. } => Op::Expand { shape },
+        Op::Full { value, dtype, .. } => Op::Full {
+            value: *value,
+            shape,
+            dtype: *dtype,
+        },
+        Op::Iota { axis, dtype, .. } => Op::Iota {
+            shape,
+            axis: *axis,
+            dtype: *dtype,
+        },
+        Op::EmbeddingBackward { .. } => Op::EmbeddingBackward { rows: shape[0] },
+        other => other.clone(),
+    }
+}
+
+/// The reductions of data parallelism (FSDP, DDP, HSDP) over the data dimensions.
+struct DataParallel {
+    mesh: Mesh,
+    /// Placement of every parameter, in `Traced::params` order.
+    params: Vec<Placements>,
+}
+
+impl DataParallel {
+    fn data_dims(&self) -> Vec<usize> {
+        (0..self.mesh.dims.len())
+            .filter(|&m| {
+                DATA_DIMS.contains(&self.mesh.dims[m].name.as_str()) && self.mesh.dims[m].size > 1
+            })
+            .collect()
+    }
+}
+
+impl RankReductions for DataParallel {
+    fn seed(&self) -> f64 {
+        1.0 / self.mesh.group_size(&self.data_dims()) as f64
+    }
+
+    /// The batch is split over every data dimension, so the gradient is partial over each; a
+    /// sharded parameter's was already reduce-scattered there (the gather's adjoint), a
+    /// replicated one's is all-reduced.
+    fn reduce_grad(
+        &self,
+        g: &mut Graph,
+        index: usize,
+        grad: ValueId,
+        meta: &Meta,
+    ) -> Result<ValueId, TypeError> {
+        let p = &self.params[index];
+        let dims: Vec<usize> = self
+            .data_dims()
+            .into_iter()
+            .filter(|&m| p.0[m] == Placement::Replicate)
+            .collect();
+        if dims.is_empty() {
+            return Ok(grad);
+        }
+        collective(
+            g,
+            Collective::AllReduce {
+                reduce: Reduce::Sum,
+            },
+            &self.mesh,
+            &dims,
+            grad,
+            meta,
+        )
+    }
+
+    /// Sums of sharded gradients are partial over the dims that shard them: each group of
+    /// parameters sharded alike is summed locally, then all-reduced over those dims.
+    fn square_sum(
+        &self,
+        g: &mut Graph,
+        sums: &[ValueId],
+        meta: &Meta,
+    ) -> Result<ValueId, TypeError> {
+        let mut groups: BTreeMap<Vec<usize>, ValueId> = BTreeMap::new();
+        for (s, p) in sums.iter().zip(&self.params) {
+            let key = sharded_dims(p, &self.mesh);
+            let total = match groups.get(&key) {
+                None => *s,
+                Some(t) => g.push1(Op::Binary(BinaryOp::Add), vec![*t, *s], meta.clone())?,
+            };
+            groups.insert(key, total);
+        }
+        let mut total: Option<ValueId> = None;
+        for (dims, sum) in groups {
+            let sum = if dims.is_empty() {
+                sum
+            } else {
+                collective(
+                    g,
+                    Collective::AllReduce {
+                        reduce: Reduce::Sum,
+                    },
+                    &self.mesh,
+                    &dims,
+                    sum,
+                    meta,
+                )?
+            };
+            total = Some(match total {
+                None => sum,
+                Some(t) => g.push1(Op::Binary(BinaryOp::Add), vec![t, sum], meta.clone())?,
+            });
+        }
+        match total {
+            Some(t) => Ok(t),
+            None => g.push1(
+                Op::Full {
+                    value: 0.0,
+                    shape: vec![],
+                    dtype: graphtrain_ir::DType::F32,
+                },
+                vec![],
+                meta.clone(),
+            ),
+        }
+    }
+
+    fn report_loss(&self, g: &mut Graph, loss: ValueId, meta: &Meta) -> Result<ValueId, TypeError> {
+        let dims = self.data_dims();
+        if dims.is_empty() {
+            return Ok(loss);
+        }
+        collective(
+            g,
+            Collective::AllReduce {
+                reduce: Reduce::Avg,
+            },
+            &self.mesh,
+            &dims,
+            loss,
+            meta,
+        )
+    }
+}
+
+/// Backward reads of a gathered parameter (or of its transpose, reshape or cast) read a fresh
+/// gather instead: the gathers and the layout ops on them are recomputed in backward (the
+/// `remat` pass's machinery), so no gathered weight lives from forward to backward.
+fn regather_in_backward(g: &Graph) -> Graph {
+    let mut from_gather = vec![false; g.values.len()];
+    let is_param: Vec<bool> = {
+        let mut v = vec![false; g.values.len()];
+        for i in g.inputs.iter().filter(|i| i.kind == InputKind::Param) {
+            v[i.value.index()] = true;
+        }
+        v
+    };
+    let mut tagged = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        if n.meta.phase > Phase::Loss {
+            continue;
+        }
+        let reads = |ok: &dyn Fn(ValueId) -> bool| n.inputs.iter().all(|v| ok(*v));
+        let gathered = |v: ValueId| from_gather[v.index()];
+        tagged[i] = match &n.op {
+            Op::CollectiveStart {
+                collective: Collective::AllGather { .. },
+                ..
+            } => reads(&|v| is_param[v.index()] || gathered(v)),
+            Op::Wait | Op::Transpose { .. } | Op::Reshape { .. } | Op::Cast { .. } => {
+                reads(&gathered)
+            }
+            _ => false,
+        };
+        if tagged[i] {
+            for o in &n.outputs {
+                from_gather[o.index()] = true;
+            }
+        }
+    }
+    let plan = crate::remat::plan(g, |i| tagged[i]);
+    crate::remat::apply(g, &plan).0
+}
+
+/// Placements of every input and output of the train step: data split by rows, parameters and
+/// their state as planned, the rest (learning rate, step, loss, grad norm) replicated.
+fn place_signature(
+    g: &mut Graph,
+    mesh: &Mesh,
+    params: &BTreeMap<String, Placements>,
+    data: &Placements,
+) {
+    let of = |name: &str| -> Option<Placements> {
+        params.get(name).cloned().or_else(|| {
+            // `opt.m.NAME` and `opt.v.NAME` are placed as `NAME`.
+            let rest = name.strip_prefix("opt.")?;
+            let (_, param) = rest.split_once('.')?;
+            params.get(param).cloned()
+        })
+    };
+    let types: Vec<usize> = g.inputs.iter().map(|i| g.ty(i.value).rank()).collect();
+    for (input, rank) in g.inputs.iter_mut().zip(types) {
+        input.placement = Some(match input.kind {
+            InputKind::Data if rank > 0 => data.clone(),
+            InputKind::Data => Placements::replicated(mesh),
+            _ => of(&input.name).unwrap_or_else(|| Placements::replicated(mesh)),
+        });
+    }
+    for out in g.outputs.iter_mut() {
+        out.placement = Some(of(&out.name).unwrap_or_else(|| Placements::replicated(mesh)));
+    }
+}
