@@ -2,6 +2,7 @@
 //! and batch, and sampling sees only the context before each position (right padding is
 //! invisible), on the interpreter and on cpu.
 
+use graphtrain::checkpoint;
 use graphtrain::data::{batch, DataMode};
 use graphtrain::eval::{generate, validate, Forward, Sampling};
 use graphtrain::ir::optim::OptimConfig;
@@ -300,5 +301,195 @@ fn validation_and_samples_need_text_and_generate_needs_a_tokenizer() {
             dir.join("missing").to_str().unwrap(),
         ],
         "missing",
+    );
+}
+
+/// The loss of each `step:` line, as `run` prints it (time and memory vary between runs).
+fn step_losses(stdout: &str) -> Vec<(u64, String)> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let step = l
+                .strip_prefix("step:")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            let loss = l.split("loss:").nth(1)?.split_whitespace().next()?;
+            Some((step, loss.to_string()))
+        })
+        .collect()
+}
+
+fn assert_bitwise_same_state(a: &checkpoint::Checkpoint, b: &checkpoint::Checkpoint) {
+    assert_eq!(a.header.steps_done, b.header.steps_done);
+    assert_eq!(
+        a.header.data_batches_consumed,
+        b.header.data_batches_consumed
+    );
+    assert_eq!(a.header.tensors, b.header.tensors);
+    for ((entry, x), y) in a.header.tensors.iter().zip(&a.tensors).zip(&b.tensors) {
+        let bits = |t: &graphtrain::ir::interp::HostTensor| -> Vec<u64> {
+            t.data.iter().map(|v| v.to_bits()).collect()
+        };
+        assert!(
+            x.data.iter().all(|v| v.is_finite()),
+            "{} is not finite",
+            entry.name
+        );
+        assert!(bits(x) == bits(y), "{} differs", entry.name);
+    }
+}
+
+/// `run` on the text of `text_run_files`, checkpointing to `ckpt`, with `extra` flags.
+fn text_run_args(
+    files: &(std::path::PathBuf, String, String, String),
+    ckpt: &std::path::Path,
+    extra: &[&str],
+) -> Vec<String> {
+    let (_, config, corpus, cache) = files;
+    let base = [
+        "run",
+        "--config",
+        config,
+        "--data",
+        corpus,
+        "--data-cache",
+        cache,
+        "--lr",
+        "1e-2",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn graphtrain_owned(args: &[String]) -> std::process::Output {
+    graphtrain(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// A text run killed mid-run (SIGKILL: nothing runs on the way out) and resumed from its last
+/// checkpoint ends with the same weights, optimizer state, data position and losses, bit for
+/// bit, as a run that was never stopped; validation on the way changes nothing.
+#[test]
+fn a_killed_text_run_resumes_bitwise() {
+    let files = text_run_files("kill");
+    let dir = files.0.clone();
+    const STEPS: u64 = 300;
+    let steps = STEPS.to_string();
+    let flags = [
+        "--steps",
+        &steps,
+        "--val-every",
+        "40",
+        "--checkpoint-every",
+        "3",
+    ];
+    let straight_ckpt = dir.join("straight.ckpt");
+    let straight = graphtrain_owned(&text_run_args(&files, &straight_ckpt, &flags));
+    assert!(
+        straight.status.success(),
+        "{}",
+        String::from_utf8_lossy(&straight.stderr)
+    );
+
+    let killed_ckpt = dir.join("killed.ckpt");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args(text_run_args(&files, &killed_ckpt, &flags))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let saved = checkpoint::load(&killed_ckpt).map(|c| c.header.steps_done);
+        if matches!(saved, Ok(n) if n >= 6) {
+            child.kill().unwrap();
+            break;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before it could be killed: make it longer");
+        }
+    }
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the run was not killed: {status}");
+    let killed_at = checkpoint::load(&killed_ckpt).unwrap().header.steps_done;
+    assert!(killed_at < STEPS, "killed after the last step");
+
+    let killed = killed_ckpt.to_str().unwrap();
+    let resumed = graphtrain_owned(&text_run_args(
+        &files,
+        &killed_ckpt,
+        &[&flags[..], &["--resume", killed]].concat(),
+    ));
+    let out = String::from_utf8_lossy(&resumed.stdout);
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    assert!(out.contains(&format!("after step {killed_at}")), "{out}");
+    let want: Vec<_> = step_losses(&String::from_utf8_lossy(&straight.stdout))
+        .into_iter()
+        .filter(|(s, _)| *s > killed_at)
+        .collect();
+    assert_eq!(want.len() as u64, STEPS - killed_at);
+    assert_eq!(step_losses(&out), want);
+    assert_bitwise_same_state(
+        &checkpoint::load(&straight_ckpt).unwrap(),
+        &checkpoint::load(&killed_ckpt).unwrap(),
+    );
+}
+
+/// Resuming a text run with another tokenizer would feed the model other token ids: refused,
+/// naming the data, and the checkpoint is left as it was.
+#[test]
+fn resuming_with_another_tokenizer_is_refused() {
+    let files = text_run_files("other-tokenizer");
+    let dir = files.0.clone();
+    let tokenizer = |vocab: &str| {
+        let path = dir.join(format!("bpe{vocab}.json"));
+        let o = graphtrain(&[
+            "tokenizer",
+            "train",
+            "--corpus",
+            &files.2,
+            "--vocab-size",
+            vocab,
+            "--out",
+            path.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        path.to_str().unwrap().to_string()
+    };
+    let (ours, other) = (tokenizer("300"), tokenizer("280"));
+    let ckpt = dir.join("run.ckpt");
+    let first = graphtrain_owned(&text_run_args(
+        &files,
+        &ckpt,
+        &["--tokenizer", &ours, "--steps", "4"],
+    ));
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let before = std::fs::read(&ckpt).unwrap();
+    let c = ckpt.to_str().unwrap();
+    let o = graphtrain_owned(&text_run_args(
+        &files,
+        &ckpt,
+        &["--tokenizer", &other, "--steps", "6", "--resume", c],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--data") && err.contains("differs"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        std::fs::read(&ckpt).unwrap(),
+        before,
+        "the checkpoint changed"
     );
 }
