@@ -982,7 +982,7 @@ fn syntax_errors_say_what_was_expected() {
         "%3 donating %x",
         6,
         "donating",
-        "expected `donates %input` or end of line",
+        "expected `donates %input`, `@ [placements]` or end of line",
     );
     assert_error(
         "graph g {",
@@ -996,7 +996,7 @@ fn syntax_errors_say_what_was_expected() {
         "inputs %x",
         2,
         "inputs",
-        "expected `input`, `param`, `state`",
+        "expected `mesh`, `input`, `param`, `state`",
     );
     assert_error("  param %w: f32[3]\n", "", 3, "%w", "unknown value `%w`");
     assert_error(
