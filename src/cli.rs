@@ -360,6 +360,19 @@ pub struct TraceArgs {
     /// green). `dot -Tsvg FILE.dot` draws it.
     #[arg(long)]
     pub dot: Option<PathBuf>,
+    /// Trace the SPMD train step of one rank on this device mesh, e.g. `dp_shard=8` or
+    /// `dp_replicate=2,dp_shard=4` (dimensions dp_replicate, dp_shard; tp, cp, pp and ep are
+    /// not built yet). The counts and memory figures are then per rank.
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
+    /// default with --mesh: FSDP over dp_shard for every parameter.
+    #[arg(long, requires = "mesh")]
+    pub plan: Option<PathBuf>,
+    /// The global batch (rows per step over all ranks) instead of the config's; with --mesh it
+    /// must split over dp_replicate x dp_shard (the large configs' batch is 1).
+    #[arg(long)]
+    pub batch: Option<usize>,
     #[command(flatten)]
     pub optim: OptimArgs,
     #[command(flatten)]
@@ -926,12 +939,57 @@ fn gib(bytes: usize) -> String {
     }
 }
 
+/// The SPMD train step of `cfg` on `mesh` (text as `--mesh` takes it), parameters placed by the
+/// plan in `plan` (RON) or FSDP over `dp_shard`.
+fn spmd_step(
+    cfg: &Llama3Config,
+    mesh: &str,
+    plan: Option<&Path>,
+    optim: &OptimConfig,
+) -> Result<crate::trainer::Traced, String> {
+    use graphtrain_passes::parallelize::{parallelize, Plan};
+    let mesh = graphtrain_ir::Mesh::parse(mesh).map_err(|e| format!("--mesh: {e}"))?;
+    let plan = match plan {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--plan {}: {e}", path.display()))?;
+            Plan::from_ron(&text).map_err(|e| format!("--plan {}: {e}", path.display()))?
+        }
+        None => Plan::fsdp(),
+    };
+    cfg.validate().map_err(|e| format!("invalid config: {e}"))?;
+    let t0 = Instant::now();
+    let forward = cfg
+        .trace(DType::F32)
+        .map_err(|e| format!("tracing failed: {e}"))?;
+    let t1 = Instant::now();
+    let par =
+        parallelize(forward, &mesh, &plan, optim).map_err(|e| format!("--mesh {mesh}: {e}"))?;
+    Ok(crate::trainer::Traced {
+        step: par.step,
+        timings: BuildTimings {
+            trace: t1 - t0,
+            autodiff_and_optimizer: t1.elapsed(),
+            ..BuildTimings::default()
+        },
+    })
+}
+
 fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
-    let cfg = model_config(&a.model)?;
+    let mut cfg = model_config(&a.model)?;
+    if let Some(batch) = a.batch {
+        if batch == 0 {
+            return Err("--batch must be at least 1".into());
+        }
+        cfg.batch = batch;
+    }
     let optim = a.optim.config()?;
     let pipeline = a.passes.pipeline(registry)?;
     let t0 = Instant::now();
-    let traced = build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?;
+    let traced = match &a.mesh {
+        None => build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?,
+        Some(mesh) => spmd_step(&cfg, mesh, a.plan.as_deref(), &optim)?,
+    };
     let compiled = compile(
         &traced.step.graph,
         Backend::Reference,
@@ -946,7 +1004,20 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     print_pass_records(&compiled.passes);
     let g = &compiled.graph;
     let s = GraphStats::of(g);
-    let tokens = (cfg.batch * cfg.seq_len) as f64;
+    // A rank's graph holds its own rows of the batch.
+    let batch = match &g.mesh {
+        Some(mesh) => {
+            let local = cfg.batch / mesh.size_of("dp_replicate") / mesh.size_of("dp_shard");
+            say!(
+                "mesh {mesh}: {} ranks; what follows is one rank's graph, FLOPs and memory (batch {local} of the global {})",
+                mesh.world_size(),
+                cfg.batch
+            );
+            local
+        }
+        None => cfg.batch,
+    };
+    let tokens = (batch * cfg.seq_len) as f64;
     say!(
         "model {} config {}: {} nodes, {} values, {} params ({:.3}B)",
         a.model.model,
@@ -986,7 +1057,7 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         gib(s.grad_bytes),
         gib(s.state_bytes),
         gib(s.saved_activation_bytes),
-        cfg.batch,
+        batch,
         cfg.seq_len
     );
     let t_plan = Instant::now();

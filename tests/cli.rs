@@ -523,3 +523,38 @@ fn bench_against_times_two_pipelines_in_pairs() {
         &["--against", "sometimes"],
     );
 }
+
+#[test]
+fn trace_on_a_mesh_prints_one_ranks_step_and_refuses_what_cannot_work() {
+    let o = graphtrain(&["trace", "--config", "tiny", "--mesh", "dp_shard=2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("mesh dp_shard=2: 2 ranks") && out.contains("batch 1 of the global 2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("all_gather_start") && out.contains("reduce_scatter_start"),
+        "{out}"
+    );
+    let plan = temp_file(
+        "plan.ron",
+        "(params: [(pattern: \"layers.*.attention.wz.weight\", placements: {})])",
+    );
+    let plan = plan.to_str().unwrap();
+    for (args, needles) in [
+        (vec!["--mesh", "tp=2"], vec!["`tp` is not supported yet"]),
+        (vec!["--mesh", "dp=2"], vec!["unknown mesh dimension `dp`"]),
+        (
+            vec!["--mesh", "dp_shard=3"],
+            vec!["does not split evenly 3 ways"],
+        ),
+        (
+            vec!["--mesh", "dp_shard=2", "--plan", plan],
+            vec!["layers.*.attention.wz.weight", "matches no parameter"],
+        ),
+    ] {
+        let o = graphtrain(&[&["trace", "--config", "tiny"][..], &args].concat());
+        assert_clean_error(&o, &needles);
+    }
+}

@@ -12,9 +12,9 @@
 //! an infinity in any output, on either side, fails the comparison: it is never "equal".
 
 use crate::pass::{Pass, PassReport, Tier};
-use graphtrain_ir::interp::{run, HostTensor};
+use graphtrain_ir::interp::{run_ranks, HostTensor};
 use graphtrain_ir::optim::state_name;
-use graphtrain_ir::{rng, text, verify, DType, Graph, InputKind, Op, ValueId};
+use graphtrain_ir::{rng, text, verify, DType, Graph, InputKind, Op, Placement, ValueId};
 use std::fmt;
 
 /// Relative tolerance for tier-2 passes, by dtype.
@@ -144,25 +144,69 @@ pub fn compare_numerics_counted(
         outputs: names_before.len(),
         elements: 0,
     };
+    if before.mesh != after.mesh {
+        return Err("the mesh changed".into());
+    }
     for seed in 0..trials {
-        let inputs = random_inputs(before, seed);
-        let a = run(before, &inputs).map_err(|e| format!("the input graph fails to run: {e}"))?;
-        let b =
-            run(after, &inputs).map_err(|e| format!("the rewritten graph fails to run: {e}"))?;
-        for (which, got) in [("input", a.outputs.len()), ("rewritten", b.outputs.len())] {
-            if got != names_before.len() {
-                return Err(format!(
-                    "the {which} graph returned {got} outputs for {} declared",
-                    names_before.len()
-                ));
+        let inputs = rank_inputs(before, seed);
+        let refs: Vec<&[HostTensor]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let a =
+            run_ranks(before, &refs).map_err(|e| format!("the input graph fails to run: {e}"))?;
+        let b = run_ranks(after, &refs)
+            .map_err(|e| format!("the rewritten graph fails to run: {e}"))?;
+        for (rank, (a, b)) in a.iter().zip(&b).enumerate() {
+            for (which, got) in [("input", a.outputs.len()), ("rewritten", b.outputs.len())] {
+                if got != names_before.len() {
+                    return Err(format!(
+                        "the {which} graph returned {got} outputs for {} declared",
+                        names_before.len()
+                    ));
+                }
             }
-        }
-        for ((name, x), y) in names_before.iter().zip(&a.outputs).zip(&b.outputs) {
-            compared.elements += compare_tensors(name, x, y, tier)
-                .map_err(|e| format!("{e} on seed {seed} ({})", tier.label()))?;
+            let on = if inputs.len() == 1 {
+                String::new()
+            } else {
+                format!(" on rank {rank}")
+            };
+            for ((name, x), y) in names_before.iter().zip(&a.outputs).zip(&b.outputs) {
+                compared.elements += compare_tensors(name, x, y, tier)
+                    .map_err(|e| format!("{e}{on} on seed {seed} ({})", tier.label()))?;
+            }
         }
     }
     Ok(compared)
+}
+
+/// Every rank's inputs for trial `seed`: one rank's `random_inputs` for a graph without a mesh;
+/// with one, inputs replicated along a mesh dimension are the same on the ranks along it, and
+/// differ (another seed) where they are sharded or their placement is not declared.
+fn rank_inputs(g: &Graph, seed: u64) -> Vec<Vec<HostTensor>> {
+    let Some(mesh) = &g.mesh else {
+        return vec![random_inputs(g, seed)];
+    };
+    let world = mesh.world_size() as u64;
+    let per_source: Vec<Vec<HostTensor>> = (0..world)
+        .map(|r| random_inputs(g, seed * world + r))
+        .collect();
+    (0..mesh.world_size())
+        .map(|rank| {
+            g.inputs
+                .iter()
+                .enumerate()
+                .map(|(i, input)| {
+                    let mut coords = mesh.coords(rank);
+                    if let Some(p) = &input.placement {
+                        for (c, q) in coords.iter_mut().zip(&p.0) {
+                            if *q == Placement::Replicate {
+                                *c = 0;
+                            }
+                        }
+                    }
+                    per_source[mesh.rank_of(&coords)][i].clone()
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Compares one output, `before` (the reference) against `after`, and returns the number of
