@@ -3,7 +3,7 @@
 //!
 //! What it builds (torchtitan's SimpleFSDP, with its mesh names):
 //! - data inputs (`tokens`, `targets`) split by rows over `dp_replicate` and `dp_shard` (the
-//!   batch must divide): each rank traces nothing new, its local graph has the local batch;
+//!   batch must divide): every shape in a rank's graph is that of its own rows;
 //! - parameters placed as the plan says. A parameter sharded over `dp_shard` (FSDP, the built-in
 //!   plan) is all-gathered (a start and a wait node) right before its first use in forward, and
 //!   all-gathered again before its first use in backward, so no gathered weight lives from
