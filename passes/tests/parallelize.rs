@@ -85,6 +85,17 @@ fn initial_state(single: &TrainStep) -> BTreeMap<String, HostTensor> {
     state
 }
 
+/// The SPMD train step of `cfg` on `mesh` with the built-in FSDP plan.
+fn fsdp(cfg: &Llama3Config, mesh: &Mesh) -> graphtrain_passes::parallelize::Parallel {
+    parallelize(
+        cfg.trace(DType::F32).unwrap(),
+        mesh,
+        &Plan::fsdp(),
+        &OptimConfig::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
 fn single_step(cfg: &Llama3Config) -> TrainStep {
     build_train_step(
         cfg.trace(DType::F32).unwrap(),
@@ -253,13 +264,7 @@ fn hsdp_over_four_ranks_matches_one_device() {
 fn a_mesh_of_size_one_is_the_single_device_step() {
     let cfg = tiny();
     let mesh = Mesh::parse("dp_shard=1").unwrap();
-    let par = parallelize(
-        cfg.trace(DType::F32).unwrap(),
-        &mesh,
-        &Plan::fsdp(),
-        &OptimConfig::default(),
-    )
-    .unwrap();
+    let par = fsdp(&cfg, &mesh);
     assert!(!par
         .step
         .graph
@@ -281,13 +286,7 @@ fn a_mesh_of_size_one_is_the_single_device_step() {
 fn fsdp_gathers_each_parameter_in_forward_and_again_in_backward() {
     let cfg = tiny();
     let mesh = Mesh::parse("dp_shard=2").unwrap();
-    let par = parallelize(
-        cfg.trace(DType::F32).unwrap(),
-        &mesh,
-        &Plan::fsdp(),
-        &OptimConfig::default(),
-    )
-    .unwrap();
+    let par = fsdp(&cfg, &mesh);
     let g = &par.step.graph;
     let params = par.step.params.len();
     let count = |name: &str, phase: graphtrain_ir::Phase| {
@@ -396,13 +395,7 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
 fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise() {
     let cfg = tiny();
     let mesh = Mesh::parse("dp_replicate=2,dp_shard=2").unwrap();
-    let par = parallelize(
-        cfg.trace(DType::F32).unwrap(),
-        &mesh,
-        &Plan::fsdp(),
-        &OptimConfig::default(),
-    )
-    .unwrap();
+    let par = fsdp(&cfg, &mesh);
     let g = &par.step.graph;
     let registry = Registry::builtin();
     let mut pipelines: Vec<Vec<(String, Option<String>)>> = vec![DEFAULT_PIPELINE
