@@ -56,6 +56,9 @@ pub struct BenchSummary {
     pub peak_rss_bytes: Option<usize>,
     pub step_times_s: Vec<f64>,
     pub losses: Vec<f64>,
+    /// On a mesh: per rank, the median over the measured steps of the seconds blocked in
+    /// collective waits for other ranks (empty on one rank).
+    pub median_wait_s: Vec<f64>,
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -108,6 +111,7 @@ pub fn run(
     let mut losses = Vec::new();
     let mut measured_peak = 0;
     let mut load_rss_growth = None;
+    let mut waits: Vec<Vec<f64>> = Vec::new();
     for i in 0..warmup + steps {
         let m = trainer.step().map_err(|e| e.to_string())?;
         if i == 0 {
@@ -117,6 +121,9 @@ pub fn run(
                 .map(|(before, now)| now.saturating_sub(before));
         }
         on_step(&m);
+        if i >= warmup {
+            waits.push(m.wait_seconds.clone());
+        }
         times.push(m.seconds);
         losses.push(m.loss);
         measured_peak = measured_peak.max(m.peak_bytes);
@@ -166,6 +173,9 @@ pub fn run(
         peak_rss_bytes: peak_rss_bytes(),
         step_times_s: times,
         losses,
+        median_wait_s: (0..waits.first().map_or(0, Vec::len))
+            .map(|rank| median(&waits.iter().map(|w| w[rank]).collect::<Vec<_>>()))
+            .collect(),
     })
 }
 

@@ -129,14 +129,14 @@ pub enum TokenizerCommand {
     },
     /// Print the token ids of TEXT, space-separated.
     Encode {
-        /// A tokenizer.json.
+        /// A tokenizer.json, or `gpt2` for GPT-2's BPE.
         #[arg(long)]
         tokenizer: PathBuf,
         text: String,
     },
     /// Print the text of token IDS.
     Decode {
-        /// A tokenizer.json.
+        /// A tokenizer.json, or `gpt2` for GPT-2's BPE.
         #[arg(long)]
         tokenizer: PathBuf,
         #[arg(required = true)]
@@ -166,8 +166,10 @@ pub enum DataCommand {
 /// How a text corpus becomes tokens; shared by `run`, `bench` and `data prepare`.
 #[derive(clap::Args, Debug)]
 pub struct TextDataArgs {
-    /// A tokenizer.json to tokenize the text with (default: a byte-level BPE trained on the
-    /// corpus, cached in --data-cache). With a `*.tokens` file, checked to be the one that made it.
+    /// A tokenizer.json to tokenize the text with, or `gpt2` for GPT-2's own BPE (50,257
+    /// tokens, built in; a model needs vocab_size >= 50257 for it). Default: a byte-level BPE
+    /// trained on the corpus, cached in --data-cache. With a `*.tokens` file, checked to be the
+    /// one that made it.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Fraction of the text's rows held out for validation (the last rows; at least one).
@@ -471,6 +473,61 @@ pub struct TrainArgs {
     /// `bench`). Device backends have no peak unless given one here.
     #[arg(long, value_parser = positive_gflops)]
     pub peak_gflops: Option<f64>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+}
+
+/// How ranks are started.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// Every rank a thread of this process; collectives through shared memory.
+    Threads,
+}
+
+#[derive(clap::Args, Debug, Default)]
+pub struct MeshArgs {
+    /// Train on a device mesh, e.g. `dp_shard=2` or `dp_replicate=2,dp_shard=2` (dimensions
+    /// dp_replicate and dp_shard; tp, cp, pp and ep are not built yet): the SPMD train step
+    /// (FSDP over dp_shard, DDP over dp_replicate) runs on every rank. The config's batch is
+    /// the global batch, split over the data ranks; the metric line gives global tokens/s, the
+    /// largest rank's memory, and each rank's time blocked in waits (`wait_ms`). Checkpoints
+    /// hold whole tensors, as a one-device run's. Ranks run on the cpu backend only so far.
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
+    /// default: FSDP over dp_shard for every parameter.
+    #[arg(long, requires = "mesh")]
+    pub plan: Option<PathBuf>,
+    /// Compute threads of each rank (default: this machine's cores divided among the ranks, at
+    /// least one).
+    #[arg(long, requires = "mesh")]
+    pub threads_per_rank: Option<usize>,
+    /// How the ranks start: `threads` (every rank a thread of this process, the default and
+    /// so far the only launcher).
+    #[arg(long, value_enum, requires = "mesh")]
+    pub launcher: Option<Launcher>,
+}
+
+impl MeshArgs {
+    /// The mesh run the flags ask for, if any.
+    fn mesh_run(&self) -> Result<Option<crate::trainer::MeshRun>, String> {
+        let Some(text) = &self.mesh else {
+            return Ok(None);
+        };
+        let mesh = parse_mesh(text)?;
+        let plan = load_plan(self.plan.as_deref())?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads_per_rank = match self.threads_per_rank {
+            Some(0) => return Err("--threads-per-rank must be at least 1".into()),
+            Some(n) => n,
+            None => (cores / mesh.world_size()).max(1),
+        };
+        Ok(Some(crate::trainer::MeshRun {
+            mesh,
+            plan,
+            threads_per_rank,
+        }))
+    }
 }
 
 fn positive_gflops(s: &str) -> Result<f64, String> {
@@ -625,8 +682,14 @@ impl TrainArgs {
         if let Some(why) = backend.unavailable() {
             return Err(why);
         }
+        let mesh = self.mesh.mesh_run()?;
+        if mesh.is_some() && backend != Backend::Cpu {
+            return Err(format!(
+                "--mesh runs on --backend cpu only so far: the {backend} backend has no collectives yet"
+            ));
+        }
         let (data, data_report, tokenizer) = self.data_source(&cfg)?;
-        let trainer = Trainer::build(
+        let trainer = Trainer::build_on(
             &cfg,
             TrainConfig {
                 data,
@@ -641,6 +704,7 @@ impl TrainArgs {
                 fusion: Default::default(),
                 runtime: runtime_options_from_env()?,
             },
+            mesh.as_ref(),
         )
         .map_err(|e| e.to_string())?;
         let rss_before_load = trainer.rss_before_load;
@@ -939,6 +1003,24 @@ fn gib(bytes: usize) -> String {
     }
 }
 
+/// `--mesh` as text, parsed.
+fn parse_mesh(mesh: &str) -> Result<graphtrain_ir::Mesh, String> {
+    graphtrain_ir::Mesh::parse(mesh).map_err(|e| format!("--mesh {mesh}: {e}"))
+}
+
+/// The plan in `--plan FILE` (RON), or FSDP over `dp_shard` for every parameter.
+fn load_plan(plan: Option<&Path>) -> Result<graphtrain_passes::parallelize::Plan, String> {
+    use graphtrain_passes::parallelize::Plan;
+    match plan {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--plan {}: {e}", path.display()))?;
+            Plan::from_ron(&text).map_err(|e| format!("--plan {}: {e}", path.display()))
+        }
+        None => Ok(Plan::fsdp()),
+    }
+}
+
 /// The SPMD train step of `cfg` on `mesh` (text as `--mesh` takes it), parameters placed by the
 /// plan in `plan` (RON) or FSDP over `dp_shard`.
 fn spmd_step(
@@ -947,32 +1029,9 @@ fn spmd_step(
     plan: Option<&Path>,
     optim: &OptimConfig,
 ) -> Result<crate::trainer::Traced, String> {
-    use graphtrain_passes::parallelize::{parallelize, Plan};
-    let mesh = graphtrain_ir::Mesh::parse(mesh).map_err(|e| format!("--mesh: {e}"))?;
-    let plan = match plan {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("--plan {}: {e}", path.display()))?;
-            Plan::from_ron(&text).map_err(|e| format!("--plan {}: {e}", path.display()))?
-        }
-        None => Plan::fsdp(),
-    };
-    cfg.validate().map_err(|e| format!("invalid config: {e}"))?;
-    let t0 = Instant::now();
-    let forward = cfg
-        .trace(DType::F32)
-        .map_err(|e| format!("tracing failed: {e}"))?;
-    let t1 = Instant::now();
-    let par =
-        parallelize(forward, &mesh, &plan, optim).map_err(|e| format!("--mesh {mesh}: {e}"))?;
-    Ok(crate::trainer::Traced {
-        step: par.step,
-        timings: BuildTimings {
-            trace: t1 - t0,
-            autodiff_and_optimizer: t1.elapsed(),
-            ..BuildTimings::default()
-        },
-    })
+    let mesh = parse_mesh(mesh)?;
+    let plan = load_plan(plan)?;
+    crate::trainer::build_spmd_step(cfg, &mesh, &plan, optim).map_err(|e| e.to_string())
 }
 
 fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
@@ -1175,6 +1234,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         a.train.lr,
         t0.elapsed().as_secs_f64()
     );
+    if let Some(run) = a.train.mesh.mesh_run()? {
+        say!(
+            "mesh {}: {} ranks as threads of this process, {} compute thread(s) each; the graph, plan and arena above are one rank's, the batch {} rows over all ranks",
+            run.mesh,
+            run.mesh.world_size(),
+            run.threads_per_rank,
+            cfg.batch
+        );
+    }
     if let Some(path) = &a.resume {
         let ckpt = checkpoint::load(path)?;
         let fingerprint = trainer.fingerprint.to_string();
@@ -1373,6 +1441,7 @@ fn run_config_json(a: &RunArgs, cfg: &Llama3Config, optim: &OptimConfig) -> serd
             None => t.passes.passes.clone(),
         },
         "steps": a.steps,
+        "mesh": t.mesh.mesh,
         "model_config": serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         "tokens_per_step": cfg.batch * cfg.seq_len,
         "flops_per_token": cfg.flops_per_token(),
@@ -1473,6 +1542,20 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mib_or_na(s.load_rss_growth_bytes),
         mib_or_na(s.peak_rss_bytes)
     );
+    if !s.median_wait_s.is_empty() {
+        let per_rank: Vec<String> = s
+            .median_wait_s
+            .iter()
+            .enumerate()
+            .map(|(rank, w)| format!("rank {rank} {}", duration(*w)))
+            .collect();
+        say!(
+            "ranks: {} threads of {} compute thread(s) each; blocked in collective waits per step (median): {}",
+            s.median_wait_s.len(),
+            a.train.mesh.mesh_run()?.map_or(1, |m| m.threads_per_rank),
+            per_rank.join(", ")
+        );
+    }
     write_json(a.json.as_deref(), &s)?;
     if let Some(path) = &a.trace_out {
         trainer.record_timeline(true);

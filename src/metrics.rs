@@ -15,7 +15,9 @@
 //!   `step` is 1-based; `seconds` is the step's own time, `wall_s` the time since this process
 //!   started the run (it restarts at a resume header); `tflops` is the achieved TFLOP/s by
 //!   6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is a fraction (0.12 = 12%), `null` where the
-//!   backend has no known peak; `memory_bytes` the executor's peak of live tensor bytes.
+//!   backend has no known peak; `memory_bytes` the executor's peak of live tensor bytes (on a
+//!   mesh, the largest rank's). A run on a mesh adds `"wait_s":[X,...]`: per rank, the seconds
+//!   the step spent blocked in collective waits for other ranks.
 //! - `"val"`: `{"kind":"val","step":N,"val_loss":X,"val_ppl":X}`: a validation after step N.
 //!
 //! A resumed run appends after the steps already there; steps past the checkpoint may then
@@ -66,6 +68,9 @@ pub struct StepRecord {
     pub memory_bytes: usize,
     pub lr: f64,
     pub wall_s: f64,
+    /// On a mesh: per rank, seconds blocked in collective waits for other ranks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wait_s: Vec<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -162,6 +167,7 @@ impl MetricsWriter {
             memory_bytes: m.peak_bytes,
             lr: rates.lr,
             wall_s: self.started.elapsed().as_secs_f64(),
+            wait_s: m.wait_seconds.clone(),
         }))
     }
 
@@ -300,6 +306,7 @@ mod tests {
             loss,
             grad_norm: 0.5,
             peak_bytes: 1 << 20,
+            wait_seconds: Vec::new(),
             seconds: 0.25,
             tokens: 64,
         }

@@ -3,7 +3,8 @@
 //! terminal.
 //!
 //! Guarantees: the metric line keeps the torchtitan format that tools parse
-//! (`step: N loss: X grad_norm: Y memory: ZMiB tps: T tflops: F mfu: M`) whether or not a bar
+//! (`step: N loss: X grad_norm: Y memory: ZMiB tps: T tflops: F mfu: M`, then on a mesh
+//! `wait_ms: W0,W1,...`, each rank's time blocked in collective waits) whether or not a bar
 //! is shown; with a bar it is printed above the bar (`ProgressBar::println`), both on stdout, so
 //! lines never interleave with the bar's redraws. Without a terminal (pipes, CI, tests) no bar
 //! is drawn and nothing but the lines reaches stdout. Refused before the first step: a traced
@@ -105,7 +106,7 @@ impl StepReport {
                 },
             )?;
         }
-        let line = format!(
+        let mut line = format!(
             "step: {:>2} loss: {:.4} grad_norm: {:.4} memory: {:.2}MiB tps: {:.0} tflops: {:.4} mfu: {mfu}",
             m.step,
             m.loss,
@@ -114,6 +115,14 @@ impl StepReport {
             tps,
             gflops / 1e3,
         );
+        if !m.wait_seconds.is_empty() {
+            let per_rank: Vec<String> = m
+                .wait_seconds
+                .iter()
+                .map(|s| format!("{:.1}", s * 1e3))
+                .collect();
+            line += &format!(" wait_ms: {}", per_rank.join(","));
+        }
         match &self.bar {
             Some(bar) => {
                 bar.println(line);

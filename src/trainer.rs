@@ -7,13 +7,16 @@
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
-use graphtrain_ir::{rng, verify, DType, Graph, HostTensor, Init, InputKind, TensorType, ValueId};
+use graphtrain_ir::{
+    rng, verify, DType, Graph, HostTensor, Init, InputKind, Mesh, TensorType, ValueId,
+};
 use graphtrain_lowering::{FusionLimits, Mode, Program};
 use graphtrain_models::Llama3Config;
+use graphtrain_passes::parallelize::{parallelize, Plan};
 use graphtrain_passes::{PassRecord, Pipeline};
 use graphtrain_runtime::{
-    compile, Backend, CompileOptions, Compiled, Executor, Fingerprint, RuntimeOptions, SingleRank,
-    Timeline,
+    compile, global_type, Backend, CompileOptions, Compiled, Executor, Fingerprint, RuntimeOptions,
+    SingleRank, Timeline,
 };
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -96,6 +99,49 @@ pub fn build_step(
     })
 }
 
+/// How a mesh run is laid out: the mesh, the plan that places parameters on it, and each
+/// rank's share of the cores. Every rank is a thread of this process (`--launcher threads`).
+#[derive(Clone, Debug)]
+pub struct MeshRun {
+    pub mesh: Mesh,
+    pub plan: Plan,
+    pub threads_per_rank: usize,
+}
+
+/// The SPMD train step of `model` over `mesh`, parameters placed by `plan`: the single-device
+/// forward traced once, then `parallelize` (autodiff, collectives, sharded AdamW), verified.
+pub fn build_spmd_step(
+    model: &Llama3Config,
+    mesh: &Mesh,
+    plan: &Plan,
+    optim: &OptimConfig,
+) -> Result<Traced, TrainError> {
+    model
+        .validate()
+        .map_err(|e| err(format!("invalid config: {e}")))?;
+    let t0 = Instant::now();
+    let forward = tracing::info_span!("trace")
+        .in_scope(|| model.trace(DType::F32))
+        .map_err(|e| err(format!("tracing failed: {e}")))?;
+    let t1 = Instant::now();
+    let par = tracing::info_span!("parallelize")
+        .in_scope(|| parallelize(forward, mesh, plan, optim))
+        .map_err(|e| err(format!("--mesh {mesh}: {e}")))?;
+    let t2 = Instant::now();
+    tracing::info_span!("verify")
+        .in_scope(|| verify(&par.step.graph))
+        .map_err(|e| err(format!("the SPMD train step fails verification: {e}")))?;
+    Ok(Traced {
+        step: par.step,
+        timings: BuildTimings {
+            trace: t1 - t0,
+            autodiff_and_optimizer: t2 - t1,
+            verify: t2.elapsed(),
+            ..BuildTimings::default()
+        },
+    })
+}
+
 /// Writes every graph input from `slots`. The executor's graph has the trainer's inputs in the
 /// same order, but its own value ids (a compiled backend runs the legalized graph).
 fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), TrainError> {
@@ -110,11 +156,30 @@ fn program_inputs(exec: &dyn Executor) -> Vec<ValueId> {
     exec.graph().inputs.iter().map(|i| i.value).collect()
 }
 
-/// Loads `compiled` on one rank and writes every input from `slots`.
-fn load(compiled: Compiled, slots: &[HostTensor]) -> Result<Box<dyn Executor>, TrainError> {
-    let mut exec = compiled.load(Box::new(SingleRank)).map_err(err)?;
+/// Loads `compiled` on one rank, or on every rank of its mesh as threads with `threads_per_rank`
+/// each, and writes every input from `slots` (global tensors: each rank gets its part).
+fn load(
+    compiled: Compiled,
+    threads_per_rank: Option<usize>,
+    slots: &[HostTensor],
+) -> Result<Box<dyn Executor>, TrainError> {
+    let mut exec = match threads_per_rank {
+        Some(threads) => compiled.load_ranks(threads),
+        None => compiled.load(Box::new(SingleRank)),
+    }
+    .map_err(err)?;
     write_inputs(exec.as_mut(), slots)?;
     Ok(exec)
+}
+
+/// The global type of input `input` of `graph`: its own type, or on a mesh the type its
+/// placement makes of the rank-local one.
+fn global_input_type(graph: &Graph, input: &graphtrain_ir::Input) -> TensorType {
+    let local = graph.ty(input.value);
+    match &graph.mesh {
+        Some(mesh) => global_type(mesh, local, input.placement.as_ref()),
+        None => local.clone(),
+    }
 }
 
 /// Initial value of a parameter: N(0, std) from its own stream, or a constant.
@@ -149,6 +214,9 @@ pub struct StepMetrics {
     pub peak_bytes: usize,
     pub seconds: f64,
     pub tokens: usize,
+    /// Per rank, seconds the step spent blocked in collective waits for other ranks (empty on
+    /// one rank).
+    pub wait_seconds: Vec<f64>,
 }
 
 pub struct Trainer {
@@ -164,6 +232,8 @@ pub struct Trainer {
     cfg: TrainConfig,
     /// What `use_backend` compiles with again.
     fusion: FusionLimits,
+    /// Threads per rank when every rank of the graph's mesh runs as a thread.
+    threads_per_rank: Option<usize>,
     runtime: RuntimeOptions,
     feeds: Vec<Feed>,
     /// Current value of every input; data slots are refilled each step, carried ones are stale
@@ -205,10 +275,26 @@ impl Trainer {
         backend: Backend,
         options: &CompileOptions<'_>,
     ) -> Result<Self, TrainError> {
+        Self::build_on(model, cfg, backend, options, None)
+    }
+
+    /// As `build`, and with `mesh` the SPMD step on every rank of it, each rank a thread. The
+    /// trainer still sees global tensors: parameters are initialized as on one device, each
+    /// rank gets its part, and checkpoints hold the whole tensors.
+    pub fn build_on(
+        model: &Llama3Config,
+        cfg: TrainConfig,
+        backend: Backend,
+        options: &CompileOptions<'_>,
+        mesh: Option<&MeshRun>,
+    ) -> Result<Self, TrainError> {
         if let DataSource::Text(text) = &cfg.data {
             check_text_fits(text, model)?;
         }
-        let Traced { step, mut timings } = build_step(model, DType::F32, &cfg.optim)?;
+        let Traced { step, mut timings } = match mesh {
+            Some(run) => build_spmd_step(model, &run.mesh, &run.plan, &cfg.optim)?,
+            None => build_step(model, DType::F32, &cfg.optim)?,
+        };
         let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
         let passes = std::mem::take(&mut compiled.passes);
         timings.passes = compiled.timings.passes;
@@ -233,7 +319,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         let mut feeds = Vec::with_capacity(graph.inputs.len());
         let mut slots = Vec::with_capacity(graph.inputs.len());
         for input in &graph.inputs {
-            let ty = graph.ty(input.value).clone();
+            let ty = global_input_type(&graph, input);
             let feed = match (input.kind, input.name.as_str()) {
                 (InputKind::Data, "tokens") => Feed::Tokens,
                 (InputKind::Data, "targets") => Feed::Targets,
@@ -274,7 +360,8 @@ values, {} as the trainer's f64 host copies, and {} is available",
         let grad_norm_output = position("grad_norm")?;
         let rss_before_load = crate::bench::current_rss_bytes();
         let t = Instant::now();
-        let exec = load(compiled, &slots)?;
+        let threads_per_rank = mesh.map(|m| m.threads_per_rank);
+        let exec = load(compiled, threads_per_rank, &slots)?;
         timings.load = t.elapsed();
         Ok(Trainer {
             model: model.clone(),
@@ -285,6 +372,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             rss_before_load,
             cfg,
             fusion: options.fusion,
+            threads_per_rank,
             runtime: options.runtime.clone(),
             feeds,
             slots,
@@ -314,7 +402,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.timings.lower = compiled.timings.lower;
         self.rss_before_load = crate::bench::current_rss_bytes();
         let t = Instant::now();
-        self.exec = load(compiled, &self.slots)?;
+        self.exec = load(compiled, self.threads_per_rank, &self.slots)?;
         self.timings.load = t.elapsed();
         Ok(())
     }
@@ -433,6 +521,11 @@ values, {} as the trainer's f64 host copies, and {} is available",
             peak_bytes: exec.memory_bytes(),
             seconds,
             tokens,
+            wait_seconds: exec
+                .blocked_in_waits()
+                .iter()
+                .map(|d| d.as_secs_f64())
+                .collect(),
         })
     }
     /// Where the training batches come from (validation reads the held-out text here).

@@ -558,3 +558,62 @@ fn trace_on_a_mesh_prints_one_ranks_step_and_refuses_what_cannot_work() {
         assert_clean_error(&o, &needles);
     }
 }
+
+/// The losses of a run's step lines.
+fn step_losses(out: &str) -> Vec<f64> {
+    out.lines()
+        .filter(|l| l.starts_with("step:"))
+        .map(|l| {
+            let after = l.split("loss:").nth(1).expect("a loss");
+            after.split_whitespace().next().unwrap().parse().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() {
+    let base = ["run", "--config", "tiny", "--steps", "3", "--data", "fixed"];
+    let one = graphtrain(&base);
+    assert!(one.status.success(), "{}", stderr(&one));
+    let two = graphtrain(&[&base[..], &["--mesh", "dp_shard=2"]].concat());
+    assert!(two.status.success(), "{}", stderr(&two));
+    let out = stdout(&two);
+    assert!(
+        out.contains("mesh dp_shard=2: 2 ranks as threads of this process"),
+        "{out}"
+    );
+    let (a, b) = (step_losses(&stdout(&one)), step_losses(&out));
+    assert_eq!(a.len(), 3, "{}", stdout(&one));
+    assert_eq!(
+        a, b,
+        "the losses of two FSDP ranks differ from one device's (to 4 decimals)"
+    );
+    for l in out.lines().filter(|l| l.starts_with("step:")) {
+        let waits = l.split("wait_ms: ").nth(1).expect("wait_ms on a mesh");
+        assert_eq!(
+            waits.trim().split(',').count(),
+            2,
+            "one wait per rank: `{l}`"
+        );
+    }
+    for (args, needles) in [
+        (vec!["--mesh", "tp=2"], vec!["`tp` is not supported yet"]),
+        (vec!["--mesh", "dp=2"], vec!["unknown mesh dimension `dp`"]),
+        (
+            vec!["--mesh", "dp_shard=3"],
+            vec!["does not split evenly 3 ways"],
+        ),
+        (
+            vec!["--mesh", "dp_shard=2", "--backend", "reference"],
+            vec!["--mesh runs on --backend cpu only"],
+        ),
+        (
+            vec!["--mesh", "dp_shard=2", "--threads-per-rank", "0"],
+            vec!["--threads-per-rank must be at least 1"],
+        ),
+        (vec!["--threads-per-rank", "1"], vec!["--mesh"]),
+    ] {
+        let o = graphtrain(&[&base[..], &args].concat());
+        assert_clean_error(&o, &needles);
+    }
+}

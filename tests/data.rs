@@ -130,6 +130,27 @@ fn documents_are_joined_with_eot_and_round_trip() {
 }
 
 #[test]
+fn gpt2_bpe_encodes_as_tiktoken_does() {
+    let t = TextTokenizer::gpt2().unwrap();
+    assert_eq!((t.vocab_size(), t.eot()), (50257, 50256));
+    // GPT-2's ids for "Hello world", as every GPT-2 tokenizer gives them.
+    assert_eq!(t.encode("Hello world").unwrap(), vec![15496, 995]);
+    // Contractions, digits, punctuation runs, whitespace runs, newlines, accents, CJK, emoji
+    // (bytes split across tokens) and the special token: the same ids as tiktoken's own
+    // encoder, and decoded back to the text.
+    let text = "ROMEO: I'll've it, won't they? 12345 + 0.5e-3 = x;  \n\n\tindented   spaces\n\
+Café naïve — déjà vu. 東京タワー 🤖🚀 <|endoftext|>Next document's start!!!";
+    let reference = tiktoken_rs::r50k_base().unwrap();
+    let ours = t.encode(text).unwrap();
+    assert_eq!(ours, reference.encode_with_special_tokens(text));
+    assert!(ours.contains(&50256), "the special token is one id");
+    assert_eq!(t.decode(&ours).unwrap(), text);
+    // `--tokenizer gpt2` names it.
+    let by_name = TextTokenizer::load(Path::new("gpt2")).unwrap();
+    assert_eq!(by_name.fingerprint(), t.fingerprint());
+}
+
+#[test]
 fn rows_hold_seq_plus_one_tokens_without_overlap() {
     // 10 rows of 4 tokens plus a 3-token tail that is dropped.
     let t = TextData::new(counting(43), 3, 0.2).unwrap();

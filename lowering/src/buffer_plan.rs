@@ -6,16 +6,18 @@
 //! read by every batch, must still be there for the next run); a node's outputs from that node
 //! until their last reader, or to the end when they are graph outputs. Parameters and
 //! optimizer state are donated: the output that replaces an input takes the input's own bytes
-//! (the update happens in place), so the pair is one buffer live for the whole step. Reading an
-//! operand and writing a result of the same node never share bytes, except through donation,
-//! whose ops (AdamW, SGD) read and write each element at the same index.
+//! (the update happens in place), so the pair is one buffer live for the whole step. A
+//! collective's `wait` shares its handle's buffer: the handle reserves the bytes the result
+//! arrives in, and the wait computes nothing. Otherwise, reading an operand and writing a result
+//! of the same node never share bytes, except through donation, whose ops (AdamW, SGD) read and
+//! write each element at the same index.
 //!
 //! Placement is greedy by size (largest first, lowest offset that fits, as in TFLite's arena
 //! planner), aligned. The liveness lower bound (the most bytes live at any node) is reported next
 //! to the arena, so fragmentation is visible. Views are not aliased yet: a reshape gets its own
 //! buffer, which a real backend would not need.
 
-use graphtrain_ir::{Graph, ValueId};
+use graphtrain_ir::{Graph, Op, ValueId};
 use std::fmt;
 
 /// Where one buffer lives and when.
@@ -143,7 +145,8 @@ fn plan(
         last[i.value.index()] = end;
     }
 
-    // One buffer per value, except that a donated output joins its input's buffer.
+    // One buffer per value, except that a donated output joins its input's buffer and a wait's
+    // result its handle's.
     let mut buffer_of: Vec<Option<usize>> = vec![None; n_values];
     let mut buffers: Vec<Placement> = Vec::new();
     for (v, d) in def.iter().enumerate() {
@@ -156,9 +159,19 @@ fn plan(
             live: (*d, last[v].max(*d)),
         });
     }
-    for o in &g.outputs {
-        let Some(src) = o.donates else { continue };
-        let (Some(keep), Some(drop)) = (buffer_of[src.index()], buffer_of[o.value.index()]) else {
+    // A `wait`'s result is the bytes its collective's handle reserved: the collective writes
+    // its result there, and the wait only says when it has arrived.
+    let donated = g
+        .outputs
+        .iter()
+        .filter_map(|o| o.donates.map(|d| (d, o.value)));
+    let waited = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Wait))
+        .map(|n| (n.inputs[0], n.outputs[0]));
+    for (src, joins) in donated.chain(waited).collect::<Vec<_>>() {
+        let (Some(keep), Some(drop)) = (buffer_of[src.index()], buffer_of[joins.index()]) else {
             continue;
         };
         if keep == drop {

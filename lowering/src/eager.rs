@@ -227,6 +227,27 @@ pub(crate) fn structural_steps(
             stream: *stream,
             normal: matches!(n.op, Op::RandomNormal { .. }),
         },
+        Op::CollectiveStart {
+            collective,
+            mesh_dims,
+            ..
+        } => Step::CollectiveStart {
+            collective: *collective,
+            mesh_dims: mesh_dims.clone(),
+            src: n.inputs[0],
+            handle: out,
+        },
+        Op::Wait => Step::Wait {
+            handle: n.inputs[0],
+            src: collective_operand(g, n.inputs[0]).ok_or_else(|| {
+                err(
+                    g,
+                    k,
+                    "a wait whose handle no collective start produced".into(),
+                )
+            })?,
+            out,
+        },
         other => {
             return Err(err(
                 g,
@@ -239,6 +260,15 @@ pub(crate) fn structural_steps(
         }
     };
     Ok(vec![step])
+}
+
+/// The operand of the collective start that produced `handle`.
+fn collective_operand(g: &Graph, handle: ValueId) -> Option<ValueId> {
+    g.nodes
+        .iter()
+        .find(|n| n.outputs.first() == Some(&handle))
+        .filter(|n| matches!(n.op, Op::CollectiveStart { .. }))
+        .map(|n| n.inputs[0])
 }
 
 /// The elementwise expression of a node over its operands, if it is elementwise.

@@ -6,6 +6,9 @@
 //!   (attention and its backward, rope, cross-entropy and its backward, AdamW), which every
 //!   backend has kernels for;
 //! - folds the values that depend on no input into `constants` (`fold`);
+//! - lowers a collective's start and wait to one step each (`Step::CollectiveStart`,
+//!   `Step::Wait`, the wait's result in its handle's bytes): the backend's communicator runs
+//!   them;
 //! - emits steps: one per node (`Mode::Eager`, `eager`), or with layout ops read as views and
 //!   elementwise chains fused into one kernel, bounded by `FusionLimits` (`Mode::Fused`,
 //!   `fusion`), where consecutive in-place AdamW updates also merge into one step;
@@ -62,19 +65,6 @@ pub fn lower_with_limits(
     limits: &FusionLimits,
 ) -> Result<Program, LowerError> {
     limits.validate()?;
-    if let Some(k) = g
-        .nodes
-        .iter()
-        .position(|n| matches!(n.op, Op::CollectiveStart { .. } | Op::Wait))
-    {
-        return Err(err(
-            g,
-            k,
-            "collectives are not lowered yet: an SPMD graph (with a mesh) runs on the reference \
-interpreter's ranks only"
-                .to_string(),
-        ));
-    }
     if let Some(k) = g
         .nodes
         .iter()

@@ -19,7 +19,9 @@
 //! use them.
 
 use crate::buffer_plan::BufferPlan;
-use graphtrain_ir::{BinaryOp, CompareOp, Graph, HostTensor, Op, RopeLayout, UnaryOp, ValueId};
+use graphtrain_ir::{
+    BinaryOp, Collective, CompareOp, Graph, HostTensor, Op, RopeLayout, UnaryOp, ValueId,
+};
 use std::fmt;
 
 pub use crate::fusion::FusionLimits;
@@ -323,6 +325,25 @@ pub enum Step {
         causal: bool,
         scale: f64,
     },
+    /// Starts `collective` on the whole of contiguous `src` over this rank's group: the ranks
+    /// that differ from it only along mesh dimensions `mesh_dims` (`graphtrain_ir::Mesh::group`
+    /// of the graph's mesh). The result arrives in `handle`'s bytes, at the latest when the
+    /// matching `Wait` returns; until then `src` must stay as it is (the plan keeps its buffer
+    /// live to the `Wait`) and nothing else touches `handle`.
+    CollectiveStart {
+        collective: Collective,
+        mesh_dims: Vec<usize>,
+        src: ValueId,
+        handle: ValueId,
+    },
+    /// Returns once the collective started on `handle` has completed. `out` is stored in
+    /// `handle`'s bytes (the plan joins them), so nothing is copied; it names `src` so that the
+    /// collective's operand stays live until here.
+    Wait {
+        handle: ValueId,
+        src: ValueId,
+        out: ValueId,
+    },
 }
 
 /// One parameter of an `AdamW` step: its inputs and the values replacing them.
@@ -392,6 +413,8 @@ impl Step {
             Step::AttentionBackward { q, k, v, dout, .. } => {
                 vec![q.base, k.base, v.base, dout.base]
             }
+            Step::CollectiveStart { src, .. } => vec![*src],
+            Step::Wait { handle, src, .. } => vec![*handle, *src],
         }
     }
 
@@ -408,7 +431,9 @@ impl Step {
             | Step::Random { out, .. }
             | Step::Rope { out, .. }
             | Step::CrossEntropy { out, .. }
-            | Step::CrossEntropyBackward { out, .. } => *out,
+            | Step::CrossEntropyBackward { out, .. }
+            | Step::Wait { out, .. } => *out,
+            Step::CollectiveStart { handle, .. } => *handle,
             Step::Copy { dst, .. } => dst.base,
             Step::Attention { out, .. } => out.base,
             Step::AttentionBackward { dq, .. } => dq.base,
@@ -445,6 +470,8 @@ impl Step {
             Step::CrossEntropy { .. } => "cross_entropy",
             Step::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Step::AttentionBackward { .. } => "attention_backward",
+            Step::CollectiveStart { collective, .. } => collective.start_name(),
+            Step::Wait { .. } => "wait",
         }
     }
 }

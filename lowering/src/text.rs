@@ -24,7 +24,7 @@
 //! that reads back to the same bits.
 
 use crate::program::{Access, Expr, MapInput, Mode, Program, ReduceKind, ReduceOver, Step, View};
-use graphtrain_ir::ValueId;
+use graphtrain_ir::{Collective, ValueId};
 use std::fmt;
 
 /// Elements of a constant the text shows: enough to recognize a mask or a table, few enough to
@@ -378,6 +378,27 @@ impl<'a> Printer<'a> {
                 ),
                 vec![format!("causal={causal}"), format!("scale={scale:?}")],
             ),
+            Step::CollectiveStart {
+                collective,
+                mesh_dims,
+                src,
+                handle,
+            } => (
+                format!(
+                    "{kind} {} <- {}",
+                    self.out(*handle),
+                    named(&[("src", self.at(*src))])
+                ),
+                collective_attrs(collective, mesh_dims),
+            ),
+            Step::Wait { handle, out, .. } => (
+                format!(
+                    "{kind} {} <- {}",
+                    self.out(*out),
+                    named(&[("handle", self.at(*handle))])
+                ),
+                Vec::new(),
+            ),
             Step::Rope {
                 out,
                 x,
@@ -468,4 +489,25 @@ impl<'a> Printer<'a> {
         };
         (head, attrs, below)
     }
+}
+
+/// A collective step's attributes, as the graph's text format writes its start node's.
+fn collective_attrs(collective: &Collective, mesh_dims: &[usize]) -> Vec<String> {
+    let mut attrs = match *collective {
+        Collective::AllGather { axis } => vec![format!("axis={axis}")],
+        Collective::ReduceScatter { axis, reduce } => {
+            vec![format!("axis={axis}"), format!("reduce={}", reduce.name())]
+        }
+        Collective::AllReduce { reduce } => vec![format!("reduce={}", reduce.name())],
+        Collective::AllToAll {
+            split_axis,
+            concat_axis,
+        } => vec![
+            format!("split_axis={split_axis}"),
+            format!("concat_axis={concat_axis}"),
+        ],
+        Collective::Broadcast { root } => vec![format!("root={root}")],
+    };
+    attrs.push(format!("mesh_dims={mesh_dims:?}"));
+    attrs
 }

@@ -296,3 +296,40 @@ fn masked_weighted_sum_of_squares_is_one_kernel() {
 }"
     ));
 }
+
+// A collective is a start step and a wait step in both modes. The start reads its operand
+// whole (an elementwise producer is materialized for it, not inlined), the wait's result is
+// stored in the handle's bytes (same offset), and the operand's buffer lives until the wait.
+#[test]
+fn collectives_lower_to_start_and_wait_steps() {
+    let src = "graph fsdp {
+  mesh dp_shard=2
+  input %x: f32[2,8] @ [shard(0)]
+  param %w: f32[4,8] @ [shard(0)]
+  %2: f32[4,8] = mul_scalar(%w, value=2.0)  # fwd
+  %3: f32[8,8] = all_gather_start(%2, mesh_dims=[0], group=2, axis=0)  # fwd
+  %4: f32[2,8] = exp(%x)  # fwd
+  %5: f32[8,8] = wait(%3)  # fwd
+  %6: f32[2,8] = matmul(%4, %5)  # fwd
+  %7: f32[] = reduce_sum(%6, axes=[0,1], keepdim=false)  # loss
+  %8: f32[] = all_reduce_start(%7, mesh_dims=[0], group=2, reduce=sum)  # loss
+  %9: f32[] = wait(%8)  # loss
+  output loss = %9 @ [replicate]
+}";
+    for mode in [Mode::Eager, Mode::Fused] {
+        let g = parse(src).unwrap();
+        graphtrain_ir::verify::verify(&g).unwrap();
+        let p = lower(&g, mode).unwrap();
+        let (v, plan) = (graphtrain_ir::ValueId, &p.plan);
+        // Handle and wait result share one buffer; the gathered operand %2 is live until the
+        // wait, so nothing planned between start and wait may take its bytes.
+        assert_eq!(plan.offset_of(v(3)), plan.offset_of(v(5)), "{mode:?}");
+        let b2 = &plan.buffers[plan.buffer_of[2].unwrap()];
+        let b3 = &plan.buffers[plan.buffer_of[3].unwrap()];
+        assert!(
+            b2.live.1 > b3.live.0,
+            "{mode:?}: %2 dies at its collective's start, before the wait"
+        );
+    }
+    insta::assert_snapshot!(both(src));
+}

@@ -1,19 +1,110 @@
-//! How an executor reaches the other ranks of its run. Every executor is given one when it
-//! loads, so that ranks (threads, then processes) plug in without reshaping the executors.
+//! How an executor reaches the other ranks of its run. Every executor is given a `Communicator`
+//! when it loads; it runs a Program's `CollectiveStart` and `Wait` steps through it.
 //!
-//! Today every run has one rank: `SingleRank`. No graph has collectives yet, so nothing calls a
-//! collective; the interface grows its operations (all-gather, reduce-scatter, all-reduce as
-//! start/wait pairs) with the first graph that needs them.
+//! - `SingleRank`: a run of one rank. Collectives over groups of one (a graph whose mesh has
+//!   size 1) are copies; a graph for more ranks is refused when the executor loads.
+//! - `ThreadWorld::communicators`: ranks as threads of one process (`ranks.rs` runs them). A
+//!   collective's members post their operand's address at its start; at its wait, each member
+//!   computes its own result from every member's operand, read in group order, then waits until
+//!   every member has read them all, so that no operand is overwritten while another rank still
+//!   reads it. Sums run over members in group order whatever the rank, so every member gets the
+//!   same bits and runs repeat bit for bit.
+//!
+//! Ranks match collectives by order: every rank runs the same Program, so the k-th collective a
+//! rank starts is the k-th of every member of its group. The work of a collective is done at its
+//! wait, on the rank's own thread; a communication thread that runs it while compute goes on is
+//! not built yet, so a start moved earlier overlaps nothing today.
+//!
+//! Failures stop the whole world: a rank whose step fails calls `abort`, and every rank blocked
+//! in a wait (now or later) returns an error naming the failed rank instead of waiting forever.
 
-/// This rank's place in its run.
+use crate::RuntimeError;
+use graphtrain_ir::{Collective, Graph, Reduce, ValueId};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// One collective as an executor hands it over: what to compute, over which ranks, from where
+/// to where. Addresses are raw because the operand stays in the executor's arena, where other
+/// ranks read it in place.
+#[derive(Clone, Debug)]
+pub struct CollectiveCall {
+    /// Names the collective between its start and its wait (the handle's value id).
+    pub id: usize,
+    pub collective: Collective,
+    /// The group's ranks, in group order (`graphtrain_ir::Mesh::group`).
+    pub group: Vec<usize>,
+    /// This rank's position in `group`.
+    pub member: usize,
+    /// This rank's operand: `src_shape.iter().product()` contiguous f32.
+    pub src: *const f32,
+    pub src_shape: Vec<usize>,
+    /// Where this rank's result goes: `dst_len` contiguous f32.
+    pub dst: *mut f32,
+    pub dst_len: usize,
+}
+
+impl CollectiveCall {
+    /// The call of `collective` over `mesh_dims` of `g`'s mesh, for rank `rank`, from value
+    /// `src` (at address `src.1`) into the bytes of `handle` (at `handle.1`).
+    pub fn new(
+        g: &Graph,
+        rank: usize,
+        collective: Collective,
+        mesh_dims: &[usize],
+        src: (ValueId, *const f32),
+        handle: (ValueId, *mut f32),
+    ) -> Result<CollectiveCall, RuntimeError> {
+        let mesh = g.mesh.as_ref().ok_or_else(|| {
+            RuntimeError::Lower("a collective in a graph without a mesh".to_string())
+        })?;
+        if rank >= mesh.world_size() {
+            return Err(RuntimeError::Input(format!(
+                "rank {rank} is outside mesh {mesh} ({} ranks)",
+                mesh.world_size()
+            )));
+        }
+        Ok(CollectiveCall {
+            id: handle.0.index(),
+            collective,
+            group: mesh.group(rank, mesh_dims),
+            member: mesh.group_index(rank, mesh_dims),
+            src: src.1,
+            src_shape: g.ty(src.0).shape.clone(),
+            dst: handle.1,
+            dst_len: g.ty(handle.0).numel(),
+        })
+    }
+}
+
+/// This rank's place in its run, and its collectives.
 pub trait Communicator: Send {
     /// This rank's index, `0..world_size()`.
     fn rank(&self) -> usize;
     /// How many ranks the run has.
     fn world_size(&self) -> usize;
+    /// Starts `call`.
+    ///
+    /// # Safety
+    /// `call.src` must point to its `src_shape` elements and `call.dst` to `dst_len` elements,
+    /// both valid until `wait(call.id)` returns; the caller must not write `src` nor touch
+    /// `dst` meanwhile.
+    unsafe fn start(&self, call: CollectiveCall) -> Result<(), RuntimeError>;
+    /// Returns once the collective started as `id` has its result in its `dst`.
+    fn wait(&self, id: usize) -> Result<(), RuntimeError>;
+    /// Tells every other rank that this one failed with `why`: their waits return errors.
+    /// Returns whether this was the run's first failure (not one another rank's caused).
+    fn abort(&self, _why: &str) -> bool {
+        true
+    }
+    /// Time spent blocked in waits for other ranks since the last call, and resets it.
+    fn take_blocked(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
-/// The communicator of a run with one rank.
+/// The communicator of a run with one rank: a collective over a group of one is a copy, done
+/// at its start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SingleRank;
 
@@ -24,5 +115,314 @@ impl Communicator for SingleRank {
 
     fn world_size(&self) -> usize {
         1
+    }
+
+    unsafe fn start(&self, call: CollectiveCall) -> Result<(), RuntimeError> {
+        if call.group != [0] || call.member != 0 {
+            return Err(RuntimeError::Input(format!(
+                "a collective over ranks {:?} in a run of one rank",
+                call.group
+            )));
+        }
+        combine(&call, &[call.src]);
+        Ok(())
+    }
+
+    fn wait(&self, _id: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+// SAFETY: the raw pointers of a pending call are only dereferenced under `start`'s contract.
+unsafe impl Send for CollectiveCall {}
+
+/// The shared state of ranks that run as threads of one process.
+pub struct ThreadWorld {
+    world_size: usize,
+    state: Mutex<WorldState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct WorldState {
+    /// Collectives some member has started and not every member has finished, by (the
+    /// sequence number of the collective on its members, the group's first rank).
+    open: HashMap<(u64, usize), Meeting>,
+    /// Set by the first rank that fails.
+    failed: Option<String>,
+}
+
+struct Meeting {
+    /// Each member's operand, once it has started.
+    posted: Vec<Option<SendPtr>>,
+    /// Members that have read every operand.
+    finished: usize,
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*const f32);
+// SAFETY: only an address; the memory it points to is kept valid by `start`'s contract until
+// every member has finished reading (the meeting's second barrier).
+unsafe impl Send for SendPtr {}
+
+impl ThreadWorld {
+    /// One communicator per rank of a world of `world_size` threads.
+    pub fn communicators(world_size: usize) -> Vec<ThreadComm> {
+        let world = Arc::new(ThreadWorld {
+            world_size,
+            state: Mutex::new(WorldState::default()),
+            changed: Condvar::new(),
+        });
+        (0..world_size)
+            .map(|rank| ThreadComm {
+                world: world.clone(),
+                rank,
+                sequence: Mutex::new(0),
+                started: Mutex::new(HashMap::new()),
+                blocked: Mutex::new(Duration::ZERO),
+            })
+            .collect()
+    }
+
+    /// Blocks until `ready` holds for the state or a rank has failed.
+    fn wait_until<'a>(
+        &'a self,
+        mut state: std::sync::MutexGuard<'a, WorldState>,
+        ready: impl Fn(&WorldState) -> bool,
+    ) -> Result<std::sync::MutexGuard<'a, WorldState>, String> {
+        loop {
+            if let Some(why) = &state.failed {
+                return Err(why.clone());
+            }
+            if ready(&state) {
+                return Ok(state);
+            }
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+}
+
+/// One rank's end of a `ThreadWorld`.
+pub struct ThreadComm {
+    world: Arc<ThreadWorld>,
+    rank: usize,
+    /// Collectives this rank has started, ever: the next one's sequence number.
+    sequence: Mutex<u64>,
+    /// Started and not yet waited for, by id, with their meeting's key.
+    started: Mutex<HashMap<usize, (CollectiveCall, (u64, usize))>>,
+    blocked: Mutex<Duration>,
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.world_size
+    }
+
+    unsafe fn start(&self, call: CollectiveCall) -> Result<(), RuntimeError> {
+        let me = member_index(&call, self.rank)?;
+        let key = {
+            let mut seq = lock(&self.sequence);
+            *seq += 1;
+            (*seq, call.group[0])
+        };
+        {
+            let mut state = lock(&self.world.state);
+            if let Some(why) = &state.failed {
+                return Err(RuntimeError::Backend(why.clone()));
+            }
+            let n = call.group.len();
+            let meeting = state.open.entry(key).or_insert_with(|| Meeting {
+                posted: vec![None; n],
+                finished: 0,
+            });
+            meeting.posted[me] = Some(SendPtr(call.src));
+        }
+        self.world.changed.notify_all();
+        lock(&self.started).insert(call.id, (call, key));
+        Ok(())
+    }
+
+    fn wait(&self, id: usize) -> Result<(), RuntimeError> {
+        let (call, key) = lock(&self.started)
+            .remove(&id)
+            .ok_or_else(|| not_started(id))?;
+        let failed = |why: String| RuntimeError::Backend(format!("rank {}: {why}", self.rank));
+        let world = &self.world;
+        let t0 = Instant::now();
+        let operands: Vec<*const f32> = {
+            let state = world
+                .wait_until(lock(&world.state), |s| {
+                    s.open[&key].posted.iter().all(Option::is_some)
+                })
+                .map_err(failed)?;
+            state.open[&key]
+                .posted
+                .iter()
+                .map(|p| p.expect("every member posted").0)
+                .collect()
+        };
+        let mut blocked = t0.elapsed();
+        // SAFETY: every member's operand stays valid and unchanged until every member has
+        // finished (below), and `dst` is this rank's own, per `start`'s contract.
+        unsafe { combine(&call, &operands) };
+        let t1 = Instant::now();
+        {
+            let mut state = lock(&world.state);
+            let n = call.group.len();
+            let meeting = state
+                .open
+                .get_mut(&key)
+                .expect("meeting open until all finish");
+            meeting.finished += 1;
+            if meeting.finished == n {
+                state.open.remove(&key);
+                world.changed.notify_all();
+            } else {
+                drop(
+                    world
+                        .wait_until(state, |s| !s.open.contains_key(&key))
+                        .map_err(failed)?,
+                );
+            }
+        }
+        blocked += t1.elapsed();
+        *lock(&self.blocked) += blocked;
+        Ok(())
+    }
+
+    fn abort(&self, why: &str) -> bool {
+        let mut state = lock(&self.world.state);
+        let first = state.failed.is_none();
+        if first {
+            state.failed = Some(format!("rank {} failed: {why}", self.rank));
+        }
+        drop(state);
+        self.world.changed.notify_all();
+        first
+    }
+
+    fn take_blocked(&self) -> Duration {
+        std::mem::take(&mut *lock(&self.blocked))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind: keep going.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn not_started(id: usize) -> RuntimeError {
+    RuntimeError::Backend(format!(
+        "a wait for collective %{id}, which this rank has not started"
+    ))
+}
+
+fn member_index(call: &CollectiveCall, rank: usize) -> Result<usize, RuntimeError> {
+    if call.group.get(call.member) != Some(&rank) {
+        return Err(RuntimeError::Backend(format!(
+            "rank {rank} starts a collective over ranks {:?} as member {}",
+            call.group, call.member
+        )));
+    }
+    Ok(call.member)
+}
+
+/// Writes `call`'s result for its rank into `call.dst` from the members' operands
+/// (`operands[i]` is member `i`'s, each of `call.src_shape`). The same arithmetic as the
+/// reference interpreter's, in f32: sums over members in group order.
+///
+/// # Safety
+/// Every operand must point to `src_shape`'s element count of f32, and `dst` to `dst_len`
+/// writable f32 that no operand overlaps.
+unsafe fn combine(call: &CollectiveCall, operands: &[*const f32]) {
+    let numel: usize = call.src_shape.iter().product();
+    let members: Vec<&[f32]> = operands
+        .iter()
+        .map(|&p| std::slice::from_raw_parts(p, numel))
+        .collect();
+    let dst = std::slice::from_raw_parts_mut(call.dst, call.dst_len);
+    let n = members.len();
+    let me = call.member;
+    let shape = &call.src_shape;
+    // (outer, len along axis, inner) of `shape` around `axis`.
+    let split = |axis: usize| {
+        let outer: usize = shape[..axis].iter().product();
+        let inner: usize = shape[axis + 1..].iter().product();
+        (outer, shape[axis], inner)
+    };
+    let sum_into = |dst: &mut [f32], at: usize, reduce: Reduce| {
+        // dst[i] = reduce over members of member[at + i], members in group order.
+        let len = dst.len();
+        dst.copy_from_slice(&members[0][at..at + len]);
+        for m in &members[1..] {
+            for (d, s) in dst.iter_mut().zip(&m[at..at + len]) {
+                *d += *s;
+            }
+        }
+        if reduce == Reduce::Avg {
+            let n = n as f32;
+            for d in dst.iter_mut() {
+                *d /= n;
+            }
+        }
+    };
+    match call.collective {
+        Collective::AllGather { axis } => {
+            // Each member's block of `len · inner` per outer index, concatenated in group order.
+            let (outer, len, inner) = split(axis);
+            let chunk = len * inner;
+            for o in 0..outer {
+                for (i, m) in members.iter().enumerate() {
+                    let at = (o * n + i) * chunk;
+                    dst[at..at + chunk].copy_from_slice(&m[o * chunk..(o + 1) * chunk]);
+                }
+            }
+        }
+        Collective::ReduceScatter { axis, reduce } => {
+            let (outer, len, inner) = split(axis);
+            let block = len / n * inner;
+            for o in 0..outer {
+                let at = o * len * inner + me * block;
+                sum_into(&mut dst[o * block..(o + 1) * block], at, reduce);
+            }
+        }
+        Collective::AllReduce { reduce } => sum_into(dst, 0, reduce),
+        Collective::AllToAll {
+            split_axis,
+            concat_axis,
+        } => {
+            // Block `me` of every member along `split_axis`, concatenated along `concat_axis`.
+            let mut part_shape = shape.clone();
+            part_shape[split_axis] /= n;
+            let parts: Vec<Vec<f32>> = members
+                .iter()
+                .map(|m| {
+                    let (outer, len, inner) = split(split_axis);
+                    let block = len / n * inner;
+                    let mut v = Vec::with_capacity(outer * block);
+                    for o in 0..outer {
+                        let at = o * len * inner + me * block;
+                        v.extend_from_slice(&m[at..at + block]);
+                    }
+                    v
+                })
+                .collect();
+            let outer: usize = part_shape[..concat_axis].iter().product();
+            let chunk: usize = part_shape[concat_axis..].iter().product();
+            for o in 0..outer {
+                for (i, p) in parts.iter().enumerate() {
+                    let at = (o * n + i) * chunk;
+                    dst[at..at + chunk].copy_from_slice(&p[o * chunk..(o + 1) * chunk]);
+                }
+            }
+        }
+        Collective::Broadcast { root } => dst.copy_from_slice(&members[root][..call.dst_len]),
     }
 }

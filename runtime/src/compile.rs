@@ -91,7 +91,7 @@ pub struct Compiled {
     /// The lowered step; `None` on the interpreter.
     pub program: Option<Program>,
     pub timings: CompileTimings,
-    runtime: RuntimeOptions,
+    pub(crate) runtime: RuntimeOptions,
 }
 
 /// Runs `options.pipeline` on `graph`, then legalizes and lowers the result for `backend`.
@@ -158,7 +158,33 @@ pub fn legalize(g: &Graph, backend: Backend, mode: Mode) -> Result<Graph, Runtim
 impl Compiled {
     /// Loads the step on its backend: the arena allocated and the constants written (kernels
     /// compile on the first run).
+    ///
+    /// Declines a communicator whose world is not the graph's mesh (a graph without a mesh is
+    /// one rank's), and collectives on a backend that cannot run them yet.
     pub fn load(self, comm: Box<dyn Communicator>) -> Result<Box<dyn Executor>, RuntimeError> {
+        let ranks = self.graph.mesh.as_ref().map_or(1, |m| m.world_size());
+        if ranks != comm.world_size() {
+            let graph = match &self.graph.mesh {
+                Some(mesh) => format!("the graph's mesh {mesh} has {ranks} ranks"),
+                None => "the graph has no mesh (one rank)".to_string(),
+            };
+            return Err(RuntimeError::Input(format!(
+                "{graph}, and the run has {}: each rank runs the graph of its mesh",
+                comm.world_size()
+            )));
+        }
+        let collectives = self.program.as_ref().is_some_and(|p| {
+            p.steps
+                .iter()
+                .any(|s| matches!(s, graphtrain_lowering::Step::CollectiveStart { .. }))
+        });
+        if collectives && matches!(self.backend, Backend::Wgpu | Backend::Cuda) {
+            return Err(RuntimeError::Unavailable(format!(
+                "the {} backend has no collectives yet: SPMD graphs run on cpu (and on the \
+reference interpreter's ranks)",
+                self.backend
+            )));
+        }
         let runtime = self.runtime;
         let _span = tracing::info_span!("load", backend = ?self.backend).entered();
         Ok(match (self.backend, self.program) {

@@ -12,7 +12,9 @@
 //!   Programs on `wgpu` and `cuda`; `shared/` holds what both use (the cubecl kernels and their
 //!   launches, the profile); `reference.rs` runs the interpreter;
 //! - `options.rs` holds every setting an executor is given (`RuntimeOptions`), and `comm.rs` the
-//!   communicator each executor is given (one rank for now).
+//!   communicator each executor is given (one rank, or a rank of threads in one process);
+//! - `ranks.rs` runs every rank of an SPMD graph's mesh as a thread of this process, behind one
+//!   `Executor` over global tensors.
 //!
 //! Architecture invariant: an executor never changes a Program's numerics: the same Program on
 //! the same backend gives bitwise identical results every run (no autotuning, fixed summation
@@ -23,13 +25,15 @@ pub mod compile;
 pub mod cpu;
 pub mod device;
 pub mod options;
+pub mod ranks;
 pub mod reference;
 pub mod shared;
 pub mod timeline;
 
-pub use comm::{Communicator, SingleRank};
+pub use comm::{CollectiveCall, Communicator, SingleRank, ThreadComm, ThreadWorld};
 pub use compile::{compile, legalize, CompileOptions, CompileTimings, Compiled, Fingerprint};
 pub use options::{GemmKernel, Profile, RuntimeOptions};
+pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;
 pub use timeline::{Timeline, TimelineEvent};
 
@@ -188,6 +192,11 @@ pub trait Executor {
     /// The timeline of the last run recorded, once (`None` when none was).
     fn take_timeline(&mut self) -> Option<Timeline> {
         None
+    }
+    /// Per rank, the time the last run spent blocked in collective waits for other ranks;
+    /// empty for a run of one rank.
+    fn blocked_in_waits(&self) -> Vec<std::time::Duration> {
+        Vec::new()
     }
 }
 

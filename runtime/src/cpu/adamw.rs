@@ -80,7 +80,7 @@ pub unsafe fn step(base: *mut f32, updates: &[Update], s: Scalars) {
         .enumerate()
         .flat_map(|(k, u)| (0..u.len).step_by(CHUNK).map(move |e| (k, e)))
         .collect();
-    Pool::global().run(chunks.len(), &|c| {
+    Pool::current().run(chunks.len(), &|c| {
         let (k, start) = chunks[c];
         let u = updates[k];
         let end = (start + CHUNK).min(u.len);

@@ -294,7 +294,7 @@ pub unsafe fn forward(base: *mut f32, d: Dims, kernel: gemm::GemmKernel, qkv: Qk
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
-    Pool::global().run(d.batch * d.kv_heads, &|task| {
+    Pool::current().run(d.batch * d.kv_heads, &|task| {
         let (b, g) = (task / d.kv_heads, task % d.kv_heads);
         let rows = FORWARD_ROWS.min(s);
         with_scratch(rows * (s + hd), |scratch| {
@@ -359,7 +359,7 @@ pub unsafe fn backward(
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
-    Pool::global().run(d.batch * d.kv_heads, &|task| {
+    Pool::current().run(d.batch * d.kv_heads, &|task| {
         let (b, g) = (task / d.kv_heads, task % d.kv_heads);
         let rows = BACKWARD_ROWS.min(s);
         // A few cache lines between the buffers, so that `p` and `ds`, read together row by

@@ -173,7 +173,7 @@ unsafe fn grads_avx512(
 
 /// Rows `0..n` in blocks, one per task, for the pool.
 fn row_blocks(n: usize) -> Vec<Vec<usize>> {
-    let tasks = (Pool::global().width() * 4).min(n).max(1);
+    let tasks = (Pool::current().width() * 4).min(n).max(1);
     (0..tasks)
         .map(|k| (n * k / tasks..n * (k + 1) / tasks).collect())
         .collect()
@@ -205,7 +205,7 @@ pub unsafe fn forward(base: *mut f32, x: Logits, t: &[usize], out: usize) {
     let mut per_row = vec![0.0f64; x.rows];
     let slots = TaskPtr(per_row.as_mut_ptr());
     let isa = isa();
-    Pool::global().run(blocks.len(), &|k| {
+    Pool::current().run(blocks.len(), &|k| {
         let rows = &blocks[k];
         let Some(&first) = rows.first() else { return };
         // SAFETY: blocks are disjoint ranges of `per_row`, which outlives the job.
@@ -234,7 +234,7 @@ pub unsafe fn backward(base: *mut f32, x: Logits, t: &[usize], g: f32, out: usiz
     let blocks = row_blocks(x.rows);
     let scale = g / x.rows as f32;
     let isa = isa();
-    Pool::global().run(blocks.len(), &|k| {
+    Pool::current().run(blocks.len(), &|k| {
         let rows = &blocks[k];
         // SAFETY (both): the features are present; each task writes its own rows of `out`.
         #[cfg(target_arch = "x86_64")]

@@ -430,7 +430,7 @@ unsafe fn sgemm_path(
     if threads == 1 {
         worker();
     } else {
-        super::pool::Pool::global().run(threads, &|_| worker());
+        super::pool::Pool::current().run(threads, &|_| worker());
     }
 }
 

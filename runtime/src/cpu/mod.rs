@@ -46,7 +46,7 @@ const VECTOR: usize = graphtrain_lowering::program::BROADCAST_ALIGN;
 /// Units per launch and GEMM threads: the pool's width (one per core), so the work split
 /// matches the threads that run it.
 fn units() -> u32 {
-    Pool::global().width() as u32
+    Pool::current().width() as u32
 }
 
 /// Launches below `small` outputs stay on one thread: waking the pool costs more than they do.
@@ -546,6 +546,26 @@ shape {:?} strides {:?}",
                 // places an output over a live operand).
                 unsafe { rope::apply(self.base, input, out, *layout, tables) };
             }
+            Step::CollectiveStart {
+                collective,
+                mesh_dims,
+                src,
+                handle,
+            } => {
+                let call = crate::comm::CollectiveCall::new(
+                    g,
+                    self.comm.rank(),
+                    *collective,
+                    mesh_dims,
+                    (*src, self.base.wrapping_add(self.off(*src))),
+                    (*handle, self.base.wrapping_add(self.off(*handle))),
+                )?;
+                // SAFETY: both buffers lie in the arena, which outlives the run; the plan keeps
+                // `src` live and unwritten until the wait (which reads it), and no step but the
+                // wait names `handle`, whose bytes are the wait's result.
+                unsafe { self.comm.start(call)? };
+            }
+            Step::Wait { handle, .. } => self.comm.wait(handle.index())?,
             _ => unreachable!("not a host step"),
         }
         Ok(())
@@ -745,7 +765,7 @@ impl CpuExecutor {
         if captured && self.bound[i].is_some() {
             self.sync()?;
             for launch in self.bound[i].as_ref().into_iter().flatten() {
-                launch.run(Pool::global());
+                launch.run(Pool::current());
             }
             return Ok(timeline::KERNELS);
         }

@@ -13,7 +13,7 @@
 //! Re-entry (a task calling `run`) and concurrent callers (tests on several threads) do not wait
 //! for the pool: they run their tasks serially on their own thread.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError};
@@ -26,6 +26,11 @@ const SPIN_FOR: Duration = Duration::from_micros(50);
 const YIELD_FOR: Duration = Duration::from_micros(500);
 
 type Job = *const (dyn Fn(usize) + Sync);
+
+thread_local! {
+    /// This thread's pool, where a rank thread chose one (`Pool::use_on_this_thread`).
+    static CURRENT: Cell<Option<&'static Pool>> = const { Cell::new(None) };
+}
 
 struct Shared {
     /// `epoch << 32 | tasks << 16 | next`: a worker claims task `next` of the current job with
@@ -146,6 +151,37 @@ impl Pool {
             let cores = thread::available_parallelism().map_or(1, |n| n.get());
             Pool::new(cores.saturating_sub(1).min(0xfffe))
         })
+    }
+
+    /// The pool this thread's kernels run on: the one `use_on_this_thread` chose (a rank's
+    /// share of the cores), else the global pool.
+    pub fn current() -> &'static Pool {
+        CURRENT.with(Cell::get).unwrap_or_else(Pool::global)
+    }
+
+    /// A pool `width` threads wide (the caller and `width - 1` workers) for the thread of rank
+    /// `rank`. Made once per (rank, width) and kept for the process, as the global pool is:
+    /// runs one after another reuse it, and two ranks never share one (a second caller would
+    /// run its tasks serially).
+    pub fn for_rank(rank: usize, width: usize) -> &'static Pool {
+        type Pools = Mutex<Vec<((usize, usize), &'static Pool)>>;
+        static POOLS: OnceLock<Pools> = OnceLock::new();
+        let mut pools = POOLS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let key = (rank, width.max(1));
+        if let Some((_, pool)) = pools.iter().find(|(k, _)| *k == key) {
+            return pool;
+        }
+        let pool: &'static Pool = Box::leak(Box::new(Pool::new((key.1 - 1).min(0xfffe))));
+        pools.push((key, pool));
+        pool
+    }
+
+    /// Makes `self` the pool of this thread's kernels (`current`).
+    pub fn use_on_this_thread(&'static self) {
+        CURRENT.with(|c| c.set(Some(self)));
     }
 
     /// Threads a job can run on at once (workers plus the caller).

@@ -42,7 +42,7 @@ pub unsafe fn apply(base: *mut f32, x: Input, out: usize, layout: RopeLayout, t:
     let [b, s, h, d] = x.shape;
     let half = d / 2;
     let rows = b * s;
-    let pool = Pool::global();
+    let pool = Pool::current();
     let tasks = (pool.width() * 4).min(rows.max(1));
     pool.run(tasks, &|task| {
         for row in rows * task / tasks..rows * (task + 1) / tasks {
