@@ -147,10 +147,13 @@ pub struct ThreadWorld {
 struct WorldState {
     /// Collectives some member has started and not every member has finished, by (the
     /// sequence number of the collective on its members, the group's first rank).
-    open: HashMap<(u64, usize), Meeting>,
+    open: HashMap<MeetingKey, Meeting>,
     /// Set by the first rank that fails.
     failed: Option<String>,
 }
+
+/// (The collective's sequence number on its members, its group's first rank.)
+type MeetingKey = (u64, usize);
 
 struct Meeting {
     /// Each member's operand, once it has started.
@@ -212,7 +215,7 @@ pub struct ThreadComm {
     /// Collectives this rank has started, ever: the next one's sequence number.
     sequence: Mutex<u64>,
     /// Started and not yet waited for, by id, with their meeting's key.
-    started: Mutex<HashMap<usize, (CollectiveCall, (u64, usize))>>,
+    started: Mutex<HashMap<usize, (CollectiveCall, MeetingKey)>>,
     blocked: Mutex<Duration>,
 }
 
