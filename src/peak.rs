@@ -33,6 +33,8 @@ pub struct CpuFacts {
     pub measured_ghz: Option<f64>,
     /// `/proc/cpuinfo`'s vendor id (`GenuineIntel`, `AuthenticAMD`, ...).
     pub vendor: String,
+    /// `/proc/cpuinfo`'s cpu family (AMD: 25 is Zen 3 and Zen 4, 26 is Zen 5).
+    pub family: Option<u32>,
     pub avx512f: bool,
     /// AVX2 with FMA.
     pub avx2_fma: bool,
@@ -40,11 +42,18 @@ pub struct CpuFacts {
 }
 
 /// f32 FLOP per cycle per core and the unit that gives them, for the widest vector the cpu has.
-/// Two vector FMA pipes per core is what every x86 core with AVX2 or AVX-512 since Haswell has,
-/// except AMD's Zen 4, which runs 512-bit instructions on 256-bit pipes, and some Xeon
-/// Silver/Bronze parts with one 512-bit pipe (not visible from here: `--peak-gflops`).
+/// Two vector FMA pipes per core is what every x86 core with AVX2 or AVX-512 since Haswell has;
+/// they are 512 bits wide on Intel's AVX-512 cores and AMD's Zen 5 (family 26: an EPYC of that
+/// family ran `peer`'s step at 244 GFLOP/s on 2 cores, above the 8-lane peak), 256 bits on
+/// Zen 4, which splits 512-bit instructions, and on some Xeon Silver/Bronze parts with one
+/// 512-bit pipe (not visible from here: `--peak-gflops`).
 fn flops_per_cycle(f: &CpuFacts) -> (f64, &'static str) {
-    if f.avx512f && f.vendor == "GenuineIntel" {
+    let wide_pipes = match f.vendor.as_str() {
+        "GenuineIntel" => true,
+        "AuthenticAMD" => f.family.is_some_and(|family| family >= 26),
+        _ => false,
+    };
+    if f.avx512f && wide_pipes {
         (64.0, "2 AVX-512 FMA pipes x 16 lanes x 2")
     } else if f.avx512f || f.avx2_fma {
         (32.0, "2 FMA pipes x 8 lanes x 2")
@@ -227,6 +236,7 @@ pub fn cpu_facts() -> CpuFacts {
         clock_source,
         measured_ghz: measured_ghz(),
         vendor: field("vendor_id").unwrap_or_default(),
+        family: field("cpu family").and_then(|f| f.parse().ok()),
         avx512f,
         avx2_fma,
         avx,
@@ -256,6 +266,7 @@ mod tests {
             clock_source: "/proc/cpuinfo",
             measured_ghz: None,
             vendor: vendor.to_string(),
+            family: Some(if vendor == "AuthenticAMD" { 25 } else { 6 }),
             avx512f,
             avx2_fma,
             avx: avx2_fma,
@@ -277,6 +288,10 @@ mod tests {
         // Zen 4 has AVX-512 on 256-bit pipes: no more FLOP per cycle than AVX2.
         let zen4 = cpu_peak(&facts("AuthenticAMD", true, true)).unwrap();
         assert_eq!(zen4.gflops, epyc.gflops);
+        // Zen 5 (family 26) has 512-bit pipes: as the Xeon.
+        let mut zen5 = facts("AuthenticAMD", true, true);
+        zen5.family = Some(26);
+        assert_eq!(cpu_peak(&zen5).unwrap().gflops, xeon.gflops);
         // Without FMA: separate add and multiply pipes, and no AVX at all.
         let mut old = facts("GenuineIntel", false, false);
         old.avx = true;
