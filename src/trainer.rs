@@ -72,16 +72,28 @@ pub fn build_step(
     dtype: DType,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
+    build_from_forward(model, dtype, |forward| {
+        build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
+    })
+}
+
+/// Traces `model`'s forward pass and loss in `dtype`, makes the train step of it with
+/// `to_step` (backward and optimizer, for one device or every rank), and verifies the result.
+fn build_from_forward(
+    model: &Llama3Config,
+    dtype: DType,
+    to_step: impl FnOnce(graphtrain_ir::Traced) -> Result<TrainStep, String>,
+) -> Result<Traced, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
     let t0 = Instant::now();
-    let traced = tracing::info_span!("trace")
+    let forward = tracing::info_span!("trace")
         .in_scope(|| model.trace(dtype))
         .map_err(|e| err(format!("tracing failed: {e}")))?;
     let t1 = Instant::now();
     let step = tracing::info_span!("autodiff")
-        .in_scope(|| build_train_step(traced, "loss", optim))
+        .in_scope(|| to_step(forward))
         .map_err(err)?;
     let t2 = Instant::now();
     tracing::info_span!("verify")
@@ -116,29 +128,10 @@ pub fn build_spmd_step(
     plan: &Plan,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    model
-        .validate()
-        .map_err(|e| err(format!("invalid config: {e}")))?;
-    let t0 = Instant::now();
-    let forward = tracing::info_span!("trace")
-        .in_scope(|| model.trace(DType::F32))
-        .map_err(|e| err(format!("tracing failed: {e}")))?;
-    let t1 = Instant::now();
-    let par = tracing::info_span!("parallelize")
-        .in_scope(|| parallelize(forward, mesh, plan, optim))
-        .map_err(|e| err(format!("--mesh {mesh}: {e}")))?;
-    let t2 = Instant::now();
-    tracing::info_span!("verify")
-        .in_scope(|| verify(&par.step.graph))
-        .map_err(|e| err(format!("the SPMD train step fails verification: {e}")))?;
-    Ok(Traced {
-        step: par.step,
-        timings: BuildTimings {
-            trace: t1 - t0,
-            autodiff_and_optimizer: t2 - t1,
-            verify: t2.elapsed(),
-            ..BuildTimings::default()
-        },
+    build_from_forward(model, DType::F32, |forward| {
+        parallelize(forward, mesh, plan, optim)
+            .map(|p| p.step)
+            .map_err(|e| format!("--mesh {mesh}: {e}"))
     })
 }
 

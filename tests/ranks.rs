@@ -2,7 +2,8 @@
 //! `dp_replicate=2` and `dp_replicate=2,dp_shard=2`, every rank a thread with collectives in
 //! shared memory, against the one-device step on the same backend: every loss within 1e-5
 //! relative and every parameter within 1e-5 relative norm after 5 AdamW steps; a repeated run
-//! bitwise equal; a mesh of one rank bitwise equal to one device. A rank that fails stops the
+//! bitwise equal; a mesh of one rank bitwise equal to one device; the default pipeline and full
+//! activation checkpointing bitwise equal to no passes on the ranks. A rank that fails stops the
 //! others with an error naming it instead of a hang, and a mesh whose size is not the run's is
 //! refused before anything runs.
 
@@ -11,7 +12,7 @@ use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, Mesh};
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::parallelize::Plan;
-use graphtrain::passes::Pipeline;
+use graphtrain::passes::{Pipeline, PipelineSpec, Registry};
 use graphtrain::trainer::{MeshRun, TrainConfig, Trainer};
 use graphtrain_lowering::Mode;
 use graphtrain_runtime::{compile, Backend, CompileOptions, RuntimeError, SingleRank};
@@ -27,13 +28,16 @@ fn tiny() -> Llama3Config {
 }
 
 fn trainer(mesh: Option<&str>) -> Trainer {
+    trainer_with(mesh, &Pipeline::new(Vec::new()))
+}
+
+fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
     let cfg = tiny();
     let run = mesh.map(|m| MeshRun {
         mesh: Mesh::parse(m).unwrap(),
         plan: Plan::fsdp(),
         threads_per_rank: 1,
     });
-    let no_passes = Pipeline::new(Vec::new());
     Trainer::build_on(
         &cfg,
         TrainConfig {
@@ -43,7 +47,7 @@ fn trainer(mesh: Option<&str>) -> Trainer {
             optim: OptimConfig::default(),
         },
         Backend::Cpu,
-        &CompileOptions::new(&no_passes, Mode::Fused),
+        &CompileOptions::new(pipeline, Mode::Fused),
         run.as_ref(),
     )
     .unwrap_or_else(|e| panic!("building on {mesh:?}: {e}"))
@@ -51,7 +55,11 @@ fn trainer(mesh: Option<&str>) -> Trainer {
 
 /// Losses of `STEPS` steps and the parameters after them, by name.
 fn train(mesh: Option<&str>) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
-    let mut t = trainer(mesh);
+    train_with(mesh, &Pipeline::new(Vec::new()))
+}
+
+fn train_with(mesh: Option<&str>, pipeline: &Pipeline) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
+    let mut t = trainer_with(mesh, pipeline);
     let losses = (0..STEPS)
         .map(|_| t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}")).loss)
         .collect();
@@ -131,6 +139,26 @@ fn a_mesh_of_one_rank_is_bitwise_one_device() {
         "losses"
     );
     assert!(bits(&one.1) == bits(&single.1), "parameters differ");
+}
+
+#[test]
+fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise_on_threads() {
+    let mesh = Some("dp_shard=2");
+    let plain = train(mesh);
+    for list in ["default", "ac=full,default"] {
+        let mut pipeline = PipelineSpec::parse_list(list)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        pipeline.verify_each = true;
+        let got = train_with(mesh, &pipeline);
+        assert_eq!(
+            got.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            plain.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{list}: losses"
+        );
+        assert!(bits(&got.1) == bits(&plain.1), "{list}: parameters differ");
+    }
 }
 
 #[test]

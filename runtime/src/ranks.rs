@@ -221,6 +221,21 @@ impl ThreadRanks {
         Ok(out)
     }
 
+    /// `job` on rank 0 alone: what the run reports of one rank (its profile, its timeline).
+    /// `None` where rank 0's thread has stopped or the job panicked.
+    fn on_rank_zero<R: Send + 'static>(
+        &mut self,
+        job: impl FnOnce(&mut dyn Executor) -> R + Send + 'static,
+    ) -> Option<R> {
+        let rank = self.ranks.first()?;
+        rank.jobs
+            .send(Box::new(move |exec: &mut dyn Executor| {
+                Box::new(job(exec)) as Box<dyn std::any::Any + Send>
+            }))
+            .ok()?;
+        rank.replies.recv().ok()?.downcast::<R>().ok().map(|r| *r)
+    }
+
     /// How value `v`'s local tensors make up its global one: an input's or an output's
     /// placement, if it has one.
     fn placement_of(&self, v: ValueId) -> Option<&Placements> {
@@ -349,25 +364,16 @@ impl Executor for ThreadRanks {
     }
 
     fn profile_report(&mut self) -> Option<String> {
-        self.on_all(|rank, exec| (rank == 0).then(|| exec.profile_report()).flatten())
-            .ok()?
-            .into_iter()
-            .next()
-            .flatten()
+        self.on_rank_zero(|exec| exec.profile_report()).flatten()
     }
 
     fn record_timeline(&mut self, on: bool) -> bool {
-        self.on_all(move |rank, exec| rank != 0 || exec.record_timeline(on))
-            .map(|all| all.into_iter().all(|ok| ok))
+        self.on_rank_zero(move |exec| exec.record_timeline(on))
             .unwrap_or(false)
     }
 
     fn take_timeline(&mut self) -> Option<Timeline> {
-        self.on_all(|rank, exec| (rank == 0).then(|| exec.take_timeline()).flatten())
-            .ok()?
-            .into_iter()
-            .next()
-            .flatten()
+        self.on_rank_zero(|exec| exec.take_timeline()).flatten()
     }
 
     fn blocked_in_waits(&self) -> Vec<Duration> {
