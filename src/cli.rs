@@ -843,7 +843,9 @@ pub struct TraceOutArgs {
     /// Write one step's timeline as a Chrome trace (chrome://tracing, Perfetto): a complete event
     /// per Program step, named by its graph node and module path, microseconds from the step's
     /// start, pid = rank, tid = lane (0 kernels, 1 host code). That step waits for each of its
-    /// steps to time it, so it runs slower than the others. Compiled backends only.
+    /// steps to time it, so it runs slower than the others. Compiled backends only. On a
+    /// --mesh, every rank writes its own file, FILE.rankN.json (collective starts and waits are
+    /// host-code events: a wait lasts as long as the rank was blocked and combining).
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
     /// Which training step `--trace-out` records (default: the last of the run).
@@ -1560,16 +1562,19 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     if let Some(path) = &a.trace_out {
         trainer.record_timeline(true);
         let m = trainer.step().map_err(|e| e.to_string())?;
-        let timeline = trainer
-            .take_timeline()
-            .ok_or_else(|| format!("--trace-out: step {} recorded no timeline", m.step))?;
+        let timelines = trainer.take_timelines();
         trainer.record_timeline(false);
-        crate::timeline::write_chrome_trace(path, &timeline, 0, m.step)?;
+        if timelines.is_empty() {
+            return Err(format!("--trace-out: step {} recorded no timeline", m.step));
+        }
+        let files = crate::timeline::write_rank_traces(path, &timelines, m.step)?;
+        let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
         say!(
-            "wrote the timeline of step {} (one more after the measured ones, each of its {} Program steps waited for) to {}",
+            "wrote the timeline of step {} (one more after the measured ones, each of its {} Program steps waited for{}) to {}",
             m.step,
-            timeline.events.len(),
-            path.display()
+            timelines[0].events.len(),
+            if files.len() > 1 { "; one file per rank" } else { "" },
+            files.join(", ")
         );
     }
     Ok(())

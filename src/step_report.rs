@@ -12,7 +12,7 @@
 
 use crate::metrics::{MetricsWriter, StepRates};
 use crate::peak::Peak;
-use crate::timeline::{trace_path, write_chrome_trace};
+use crate::timeline::write_rank_traces;
 use crate::trainer::{StepMetrics, Trainer};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
@@ -131,17 +131,19 @@ impl StepReport {
             None => crate::cli::write_stdout(format_args!("{line}\n")),
         }
         if let Some(t) = self.trace.as_ref().filter(|t| t.step == m.step) {
-            let timeline = trainer.take_timeline();
+            let timelines = trainer.take_timelines();
             trainer.record_timeline(false);
-            let timeline = timeline
-                .ok_or_else(|| format!("--trace-out: step {} recorded no timeline", m.step))?;
-            let path = trace_path(&t.path, 0, 1);
-            write_chrome_trace(&path, &timeline, 0, m.step)?;
+            if timelines.is_empty() {
+                return Err(format!("--trace-out: step {} recorded no timeline", m.step));
+            }
+            let files = write_rank_traces(&t.path, &timelines, m.step)?;
+            let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
             self.say(&format!(
-                "wrote the timeline of step {} ({} Program steps) to {}",
+                "wrote the timeline of step {} ({} Program steps{}) to {}",
                 m.step,
-                timeline.events.len(),
-                path.display()
+                timelines[0].events.len(),
+                if files.len() > 1 { " per rank" } else { "" },
+                files.join(", ")
             ));
         }
         Ok(())

@@ -27,6 +27,23 @@ pub fn trace_path(base: &Path, rank: u32, world: u32) -> PathBuf {
     base.with_extension(format!("rank{rank}.json"))
 }
 
+/// Writes each rank's timeline of step `step` (`timelines[r]` is rank r's) to its file for
+/// `base` (`trace_path`), and returns the files.
+pub fn write_rank_traces(
+    base: &Path,
+    timelines: &[Timeline],
+    step: u64,
+) -> Result<Vec<PathBuf>, String> {
+    let world = timelines.len() as u32;
+    let mut written = Vec::with_capacity(timelines.len());
+    for (rank, timeline) in timelines.iter().enumerate() {
+        let path = trace_path(base, rank as u32, world);
+        write_chrome_trace(&path, timeline, rank as u32, step)?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
 fn lane_name(lane: u32) -> String {
     match lane {
         KERNELS => "kernels".to_string(),

@@ -417,9 +417,9 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.exec.record_timeline(on)
     }
 
-    /// The timeline of the last recorded step, once.
-    pub fn take_timeline(&mut self) -> Option<Timeline> {
-        self.exec.take_timeline()
+    /// The timeline of the last recorded step, once: one per rank, in rank order.
+    pub fn take_timelines(&mut self) -> Vec<Timeline> {
+        self.exec.take_rank_timelines()
     }
 
     /// Brings parameters and state back from the executor into `slots`.

@@ -617,3 +617,51 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
         assert_clean_error(&o, &needles);
     }
 }
+
+#[test]
+fn a_mesh_run_writes_one_timeline_per_rank() {
+    let dir = std::env::temp_dir().join(format!("graphtrain-cli-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = dir.join("step.json");
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--mesh",
+        "dp_shard=2",
+        "--trace-out",
+        base.to_str().unwrap(),
+        "--trace-step",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !base.exists(),
+        "a mesh run writes per-rank files, not {}",
+        base.display()
+    );
+    for rank in 0..2 {
+        let path = dir.join(format!("step.rank{rank}.json"));
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}\n{}", path.display(), stdout(&o)));
+        let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        let on_rank = |name: &str| {
+            events
+                .iter()
+                .filter(|e| e["ph"] == "X" && e["pid"] == rank)
+                .filter(|e| e["args"]["kind"].as_str() == Some(name))
+                .count()
+        };
+        assert!(on_rank("all_gather_start") > 0, "rank {rank}: no gather");
+        assert_eq!(
+            on_rank("all_gather_start")
+                + on_rank("reduce_scatter_start")
+                + on_rank("all_reduce_start"),
+            on_rank("wait"),
+            "rank {rank}: every start has its wait"
+        );
+    }
+}

@@ -189,9 +189,15 @@ pub trait Executor {
     fn record_timeline(&mut self, _on: bool) -> bool {
         false
     }
-    /// The timeline of the last run recorded, once (`None` when none was).
+    /// The timeline of the last run recorded, once (`None` when none was); rank 0's where the
+    /// executor runs several ranks.
     fn take_timeline(&mut self) -> Option<Timeline> {
         None
+    }
+    /// Every rank's timeline of the last run recorded, in rank order, once: one for a run of one
+    /// rank, none where none was recorded.
+    fn take_rank_timelines(&mut self) -> Vec<Timeline> {
+        self.take_timeline().into_iter().collect()
     }
     /// Per rank, the time the last run spent blocked in collective waits for other ranks;
     /// empty for a run of one rank.

@@ -368,12 +368,23 @@ impl Executor for ThreadRanks {
     }
 
     fn record_timeline(&mut self, on: bool) -> bool {
-        self.on_rank_zero(move |exec| exec.record_timeline(on))
-            .unwrap_or(false)
+        self.on_all(move |_, exec| exec.record_timeline(on))
+            .is_ok_and(|all| all.into_iter().all(|recorded| recorded))
     }
 
     fn take_timeline(&mut self) -> Option<Timeline> {
         self.on_rank_zero(|exec| exec.take_timeline()).flatten()
+    }
+
+    fn take_rank_timelines(&mut self) -> Vec<Timeline> {
+        let taken = self
+            .on_all(|_, exec| exec.take_timeline())
+            .unwrap_or_default();
+        // All or nothing: a rank without one would shift the others' rank numbers.
+        taken
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .unwrap_or_default()
     }
 
     fn blocked_in_waits(&self) -> Vec<Duration> {
