@@ -3,24 +3,28 @@
 //!
 //! - `SingleRank`: a run of one rank. Collectives over groups of one (a graph whose mesh has
 //!   size 1) are copies; a graph for more ranks is refused when the executor loads.
-//! - `ThreadWorld::communicators`: ranks as threads of one process (`ranks.rs` runs them). A
-//!   collective's members post their operand's address at its start; at its wait, each member
-//!   computes its own result from every member's operand, read in group order, then waits until
-//!   every member has read them all, so that no operand is overwritten while another rank still
-//!   reads it. Sums run over members in group order whatever the rank, so every member gets the
-//!   same bits and runs repeat bit for bit.
+//! - `ThreadWorld::communicators`: ranks as threads of one process (`ranks.rs` runs them), each
+//!   with a communication thread (the CPU's second stream). A start posts its operand's address
+//!   to the collective's meeting and queues the collective for the communication thread, then
+//!   returns: compute goes on. The communication thread runs its rank's collectives in start
+//!   order: it waits until every member has posted, computes its rank's result from every
+//!   member's operand, read in group order, into the handle's bytes, then waits until every
+//!   member has read them all, so that no operand is overwritten while another rank still reads
+//!   it. A wait blocks until its collective is done. Sums run over members in group order
+//!   whatever the rank, so every member gets the same bits and runs repeat bit for bit. Nothing
+//!   spins: idle threads sleep on condition variables.
 //!
 //! Ranks match collectives by order: every rank runs the same Program, so the k-th collective a
-//! rank starts is the k-th of every member of its group. The work of a collective is done at its
-//! wait, on the rank's own thread; a communication thread that runs it while compute goes on is
-//! not built yet, so a start moved earlier overlaps nothing today.
+//! rank starts is the k-th of every member of its group, and each communication thread, taking
+//! its rank's collectives in order, reaches it after all earlier ones have completed.
 //!
 //! Failures stop the whole world: a rank whose step fails calls `abort`, and every rank blocked
 //! in a wait (now or later) returns an error naming the failed rank instead of waiting forever.
 
 use crate::RuntimeError;
 use graphtrain_ir::{Collective, Graph, Reduce, ValueId};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -169,7 +173,8 @@ struct SendPtr(*const f32);
 unsafe impl Send for SendPtr {}
 
 impl ThreadWorld {
-    /// One communicator per rank of a world of `world_size` threads.
+    /// One communicator per rank of a world of `world_size` threads, each with its
+    /// communication thread.
     pub fn communicators(world_size: usize) -> Vec<ThreadComm> {
         let world = Arc::new(ThreadWorld {
             world_size,
@@ -177,12 +182,23 @@ impl ThreadWorld {
             changed: Condvar::new(),
         });
         (0..world_size)
-            .map(|rank| ThreadComm {
-                world: world.clone(),
-                rank,
-                sequence: Mutex::new(0),
-                started: Mutex::new(HashMap::new()),
-                blocked: Mutex::new(Duration::ZERO),
+            .map(|rank| {
+                let (queue, calls) = channel();
+                let completion = Arc::new(Completion::default());
+                let (w, c) = (world.clone(), completion.clone());
+                // Detached: it ends when its queue closes, and a meeting it is in ends when
+                // every member arrives or the world fails.
+                let _ = std::thread::Builder::new()
+                    .name(format!("graphtrain-comm-{rank}"))
+                    .spawn(move || communication_thread(&w, rank, calls, &c));
+                ThreadComm {
+                    world: world.clone(),
+                    rank,
+                    sequence: Mutex::new(0),
+                    queue,
+                    completion,
+                    blocked: Mutex::new(Duration::ZERO),
+                }
             })
             .collect()
     }
@@ -206,16 +222,91 @@ impl ThreadWorld {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
     }
+
+    /// Runs `call`, already posted to its meeting `key`, for its member: waits until every
+    /// member has posted, writes this member's result, then waits until every member has read
+    /// every operand, so none is overwritten while another rank still reads it.
+    fn meet(&self, call: &CollectiveCall, key: MeetingKey) -> Result<(), String> {
+        let operands: Vec<*const f32> = {
+            let state = self.wait_until(lock(&self.state), |s| {
+                s.open[&key].posted.iter().all(Option::is_some)
+            })?;
+            state.open[&key]
+                .posted
+                .iter()
+                .map(|p| p.expect("every member posted").0)
+                .collect()
+        };
+        // SAFETY: every member's operand stays valid and unchanged until every member has
+        // finished (below), and `dst` is this rank's own, per `start`'s contract.
+        unsafe { combine(call, &operands) };
+        let mut state = lock(&self.state);
+        let meeting = state
+            .open
+            .get_mut(&key)
+            .expect("meeting open until all finish");
+        meeting.finished += 1;
+        if meeting.finished == call.group.len() {
+            state.open.remove(&key);
+            self.changed.notify_all();
+        } else {
+            drop(self.wait_until(state, |s| !s.open.contains_key(&key))?);
+        }
+        Ok(())
+    }
 }
 
-/// One rank's end of a `ThreadWorld`.
+/// Runs a rank's collectives in the order they were started, while its compute goes on.
+fn communication_thread(
+    world: &ThreadWorld,
+    rank: usize,
+    calls: Receiver<(CollectiveCall, MeetingKey)>,
+    completion: &Completion,
+) {
+    for (call, key) in calls {
+        let result = world.meet(&call, key);
+        let mut state = lock(&completion.state);
+        state.pending.remove(&call.id);
+        match result {
+            Ok(()) => {
+                state.finished.insert(call.id);
+            }
+            Err(why) => {
+                state.failed.get_or_insert(format!("rank {rank}: {why}"));
+            }
+        }
+        drop(state);
+        completion.changed.notify_all();
+    }
+}
+
+/// What a rank's communication thread has done, for its waits.
+#[derive(Default)]
+struct Completion {
+    state: Mutex<CompletionState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct CompletionState {
+    /// Started and not yet completed, by id.
+    pending: HashSet<usize>,
+    /// Completed and not yet waited for.
+    finished: HashSet<usize>,
+    /// Why the communication thread could not complete a collective.
+    failed: Option<String>,
+}
+
+/// One rank's end of a `ThreadWorld`: its collectives run on its communication thread, in the
+/// order they were started, so a start returns at once and compute goes on until the wait.
 pub struct ThreadComm {
     world: Arc<ThreadWorld>,
     rank: usize,
     /// Collectives this rank has started, ever: the next one's sequence number.
     sequence: Mutex<u64>,
-    /// Started and not yet waited for, by id, with their meeting's key.
-    started: Mutex<HashMap<usize, (CollectiveCall, MeetingKey)>>,
+    /// The communication thread's queue.
+    queue: Sender<(CollectiveCall, MeetingKey)>,
+    completion: Arc<Completion>,
     blocked: Mutex<Duration>,
 }
 
@@ -248,55 +339,37 @@ impl Communicator for ThreadComm {
             meeting.posted[me] = Some(SendPtr(call.src));
         }
         self.world.changed.notify_all();
-        lock(&self.started).insert(call.id, (call, key));
-        Ok(())
+        lock(&self.completion.state).pending.insert(call.id);
+        let id = call.id;
+        self.queue.send((call, key)).map_err(|_| {
+            RuntimeError::Backend(format!(
+                "rank {}: the communication thread has stopped (collective %{id})",
+                self.rank
+            ))
+        })
     }
 
     fn wait(&self, id: usize) -> Result<(), RuntimeError> {
-        let (call, key) = lock(&self.started)
-            .remove(&id)
-            .ok_or_else(|| not_started(id))?;
-        let failed = |why: String| RuntimeError::Backend(format!("rank {}: {why}", self.rank));
-        let world = &self.world;
         let t0 = Instant::now();
-        let operands: Vec<*const f32> = {
-            let state = world
-                .wait_until(lock(&world.state), |s| {
-                    s.open[&key].posted.iter().all(Option::is_some)
-                })
-                .map_err(failed)?;
-            state.open[&key]
-                .posted
-                .iter()
-                .map(|p| p.expect("every member posted").0)
-                .collect()
-        };
-        let mut blocked = t0.elapsed();
-        // SAFETY: every member's operand stays valid and unchanged until every member has
-        // finished (below), and `dst` is this rank's own, per `start`'s contract.
-        unsafe { combine(&call, &operands) };
-        let t1 = Instant::now();
-        {
-            let mut state = lock(&world.state);
-            let n = call.group.len();
-            let meeting = state
-                .open
-                .get_mut(&key)
-                .expect("meeting open until all finish");
-            meeting.finished += 1;
-            if meeting.finished == n {
-                state.open.remove(&key);
-                world.changed.notify_all();
-            } else {
-                drop(
-                    world
-                        .wait_until(state, |s| !s.open.contains_key(&key))
-                        .map_err(failed)?,
-                );
+        let mut state = lock(&self.completion.state);
+        loop {
+            if state.finished.remove(&id) {
+                break;
             }
+            if let Some(why) = &state.failed {
+                return Err(RuntimeError::Backend(why.clone()));
+            }
+            if !state.pending.contains(&id) {
+                return Err(not_started(id));
+            }
+            state = self
+                .completion
+                .changed
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
-        blocked += t1.elapsed();
-        *lock(&self.blocked) += blocked;
+        drop(state);
+        *lock(&self.blocked) += t0.elapsed();
         Ok(())
     }
 
@@ -427,5 +500,68 @@ unsafe fn combine(call: &CollectiveCall, operands: &[*const f32]) {
             }
         }
         Collective::Broadcast { root } => dst.copy_from_slice(&members[root][..call.dst_len]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::RecvTimeoutError;
+
+    /// A collective completes while a member is still computing: rank 1 waits at once, rank 0
+    /// calls its wait only after rank 1's has returned. Without a communication thread rank 0
+    /// would read the operands only in its wait, and rank 1 would wait for it forever.
+    #[test]
+    fn a_collective_completes_before_every_member_waits() {
+        let comms = ThreadWorld::communicators(2);
+        let src = [vec![1.0f32, 2.0, 3.0, 4.0], vec![10.0, 20.0, 30.0, 40.0]];
+        let mut dst = [vec![0.0f32; 2], vec![0.0f32; 2]];
+        let dst_ptr = [dst[0].as_mut_ptr(), dst[1].as_mut_ptr()];
+        let call = |rank: usize| CollectiveCall {
+            id: 7,
+            collective: Collective::ReduceScatter {
+                axis: 0,
+                reduce: Reduce::Sum,
+            },
+            group: vec![0, 1],
+            member: rank,
+            src: src[rank].as_ptr(),
+            src_shape: vec![4],
+            dst: dst_ptr[rank],
+            dst_len: 2,
+        };
+        // SAFETY: `src` and `dst` outlive both waits below and are not touched meanwhile.
+        unsafe {
+            comms[0].start(call(0)).unwrap();
+            comms[1].start(call(1)).unwrap();
+        }
+        let (rank1_done, rank1_waited) = channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                comms[1].wait(7).unwrap();
+                rank1_done.send(()).unwrap();
+            });
+            match rank1_waited.recv_timeout(Duration::from_secs(20)) {
+                Ok(()) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    // Let rank 1 go before failing, so the scope can end.
+                    comms[0].wait(7).unwrap();
+                    panic!("rank 1's wait returned only once rank 0 waited too");
+                }
+                Err(e) => panic!("{e}"),
+            }
+            comms[0].wait(7).unwrap();
+        });
+        assert_eq!(dst, [vec![11.0, 22.0], vec![33.0, 44.0]]);
+        // Each rank's waits are counted.
+        let _ = comms[0].take_blocked();
+        assert_eq!(comms[0].take_blocked(), Duration::ZERO, "taking resets");
+    }
+
+    #[test]
+    fn a_wait_for_a_collective_never_started_is_an_error() {
+        let comms = ThreadWorld::communicators(1);
+        let e = comms[0].wait(3).unwrap_err();
+        assert!(e.to_string().contains("has not started"), "{e}");
     }
 }
