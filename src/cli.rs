@@ -1121,6 +1121,19 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         batch,
         cfg.seq_len
     );
+    if !s.comm_per_collective.is_empty() {
+        let parts: Vec<String> = s
+            .comm_per_collective
+            .iter()
+            .map(|(name, count, bytes)| format!("{name} x{count} {}", gib(*bytes as usize)))
+            .collect();
+        let total: f64 = s.comm_per_collective.iter().map(|(_, _, b)| b).sum();
+        say!(
+            "communication per rank per step: {} sent under ring algorithms ({}); a network's volume, not what the threads launcher copies",
+            gib(total as usize),
+            parts.join(", ")
+        );
+    }
     let t_plan = Instant::now();
     let plan = plan_buffers(g, ARENA_ALIGNMENT);
     say!(

@@ -3,6 +3,12 @@
 //! per step feeds a batch, the learning rate and the step count and runs the step. Parameters
 //! and optimizer state stay in the executor between steps (donated outputs replace their
 //! inputs there); the trainer reads them back only for checkpoints and inspection.
+//!
+//! On a mesh (`Trainer::build_on` with a `MeshRun`) the step is the SPMD step of
+//! `parallelize`, run by every rank as a thread (`Compiled::load_ranks`). The trainer still
+//! holds global tensors: it initializes parameters as on one device, the ranks' executor gives
+//! each rank its part and assembles what is read back, so checkpoints and samples are the same
+//! as one device's.
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};

@@ -537,6 +537,19 @@ fn trace_on_a_mesh_prints_one_ranks_step_and_refuses_what_cannot_work() {
         out.contains("all_gather_start") && out.contains("reduce_scatter_start"),
         "{out}"
     );
+    // What each rank's collectives send: gathers of the parameters' other halves, and the
+    // reduce-scatters and all-reduces of gradients and the loss.
+    let comm = out
+        .lines()
+        .find(|l| l.starts_with("communication per rank per step:"))
+        .unwrap_or_else(|| panic!("no communication line:\n{out}"));
+    for kind in [
+        "all_gather_start x",
+        "reduce_scatter_start x",
+        "all_reduce_start x",
+    ] {
+        assert!(comm.contains(kind), "{comm}");
+    }
     let plan = temp_file(
         "plan.ron",
         "(params: [(pattern: \"layers.*.attention.wz.weight\", placements: {})])",

@@ -1,8 +1,9 @@
-//! Static accounting of a train-step graph: node counts, FLOPs, and bytes of parameters,
-//! gradients, optimizer state and saved activations. Pure graph arithmetic: no execution.
+//! Static accounting of a train-step graph: node counts, FLOPs, bytes of parameters,
+//! gradients, optimizer state and saved activations, and on a mesh the bytes a rank's
+//! collectives send. Pure graph arithmetic: no execution.
 
 use crate::graph::{Graph, InputKind, Phase};
-use crate::op::Op;
+use crate::op::{Collective, Op};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -23,6 +24,27 @@ pub struct GraphStats {
     /// backward, dense, mask not skipped; elementwise and reductions one per element).
     pub flops: f64,
     pub flops_per_phase: Vec<(Phase, f64)>,
+    /// On a mesh: per collective kind (its start's name), how many there are and the bytes one
+    /// rank sends per step under a bandwidth-optimal (ring) algorithm (`comm_bytes`), by name.
+    pub comm_per_collective: Vec<(&'static str, usize, f64)>,
+}
+
+/// Bytes one member of a group of `n` sends for `collective` on an operand of `bytes` bytes,
+/// under the bandwidth-optimal (ring) algorithms: all-gather (n - 1)·x (each other member's
+/// block passes once), reduce-scatter and all-to-all (n - 1)/n·x, all-reduce 2(n - 1)/n·x
+/// (a reduce-scatter then an all-gather), broadcast x (the root's, in a pipelined chain). A
+/// model of a network's traffic, not what the in-process threads launcher copies.
+pub fn comm_bytes(collective: Collective, n: usize, bytes: usize) -> f64 {
+    let (n, x) = (n as f64, bytes as f64);
+    if n <= 1.0 {
+        return 0.0;
+    }
+    match collective {
+        Collective::AllGather { .. } => (n - 1.0) * x,
+        Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => (n - 1.0) / n * x,
+        Collective::AllReduce { .. } => 2.0 * (n - 1.0) / n * x,
+        Collective::Broadcast { .. } => x,
+    }
 }
 
 /// FLOPs of one node.
@@ -79,6 +101,18 @@ impl GraphStats {
             e.1 += f;
             s.flops += f;
         }
+        let mut comm: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
+        for n in &g.nodes {
+            if let Op::CollectiveStart {
+                collective, group, ..
+            } = &n.op
+            {
+                let e = comm.entry(collective.start_name()).or_default();
+                e.0 += 1;
+                e.1 += comm_bytes(*collective, *group, g.ty(n.inputs[0]).size_bytes());
+            }
+        }
+        s.comm_per_collective = comm.into_iter().map(|(k, (c, b))| (k, c, b)).collect();
         s.nodes_per_phase = per_phase.iter().map(|(p, (c, _))| (*p, *c)).collect();
         s.flops_per_phase = per_phase.iter().map(|(p, (_, f))| (*p, *f)).collect();
         for i in &g.inputs {
@@ -108,5 +142,36 @@ impl GraphStats {
             }
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::Reduce;
+
+    #[test]
+    fn ring_volumes_per_member() {
+        let mib = 1 << 20;
+        // Four members, 1 MiB operands.
+        assert_eq!(
+            comm_bytes(Collective::AllGather { axis: 0 }, 4, mib),
+            3.0 * mib as f64
+        );
+        let rs = Collective::ReduceScatter {
+            axis: 0,
+            reduce: Reduce::Sum,
+        };
+        assert_eq!(comm_bytes(rs, 4, mib), 0.75 * mib as f64);
+        let ar = Collective::AllReduce {
+            reduce: Reduce::Avg,
+        };
+        assert_eq!(comm_bytes(ar, 4, mib), 1.5 * mib as f64);
+        assert_eq!(
+            comm_bytes(Collective::Broadcast { root: 0 }, 4, mib),
+            mib as f64
+        );
+        // A group of one sends nothing.
+        assert_eq!(comm_bytes(ar, 1, mib), 0.0);
     }
 }

@@ -133,7 +133,7 @@ impl Compiled {
             let bytes = rx
                 .recv()
                 .map_err(|_| RuntimeError::Backend(format!("rank {rank} stopped while loading")))?
-                .map_err(|e| RuntimeError::Backend(format!("rank {rank}: {e}")))?;
+                .map_err(|e| at_rank(rank, e))?;
             memory_bytes = memory_bytes.max(bytes);
         }
         Ok(Box::new(ThreadRanks {
@@ -198,27 +198,37 @@ impl ThreadRanks {
                 }))
                 .map_err(|_| stopped(rank))?;
         }
+        // Every rank's answer is taken before any error returns, so that no answer is left
+        // queued for the next job to mistake for its own.
         let mut out = Vec::with_capacity(self.ranks.len());
+        let mut first_error = None;
         for (rank, r) in self.ranks.iter().enumerate() {
-            let reply = r.replies.recv().map_err(|_| stopped(rank))?;
+            let reply = match r.replies.recv() {
+                Ok(reply) => reply,
+                Err(_) => {
+                    first_error.get_or_insert(stopped(rank));
+                    continue;
+                }
+            };
             match reply.downcast::<R>() {
                 Ok(v) => out.push(*v),
                 // The job panicked: its thread answered with the panic as an error.
                 Err(other) => {
-                    let e = other
-                        .downcast::<Result<(), RuntimeError>>()
-                        .map(|r| match *r {
+                    let e = match other.downcast::<Result<(), RuntimeError>>() {
+                        Ok(result) => match *result {
                             Err(e) => e,
                             Ok(()) => RuntimeError::Backend("a job's answer was lost".into()),
-                        })
-                        .unwrap_or_else(|_| {
-                            RuntimeError::Backend("a job's answer was lost".into())
-                        });
-                    return Err(at_rank(rank, e));
+                        },
+                        Err(_) => RuntimeError::Backend("a job's answer was lost".into()),
+                    };
+                    first_error.get_or_insert(at_rank(rank, e));
                 }
             }
         }
-        Ok(out)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 
     /// `job` on rank 0 alone: what the run reports of one rank (its profile, its timeline).
@@ -298,26 +308,38 @@ impl Executor for ThreadRanks {
                 self.mesh, t.ty
             )));
         }
-        for (rank, r) in self.ranks.iter().enumerate() {
-            let part = match &placement {
+        // Every part is cut before any is sent: an error leaves no rank's answer pending.
+        let parts = (0..self.ranks.len())
+            .map(|rank| match &placement {
                 Some(p) => local_part(t, p, &self.mesh, rank)
-                    .map_err(|e| RuntimeError::Input(format!("value {v:?}: {e}")))?,
-                None => t.clone(),
-            };
+                    .map_err(|e| RuntimeError::Input(format!("value {v:?}: {e}"))),
+                None => Ok(t.clone()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for ((rank, r), part) in self.ranks.iter().enumerate().zip(parts) {
             r.jobs
                 .send(Box::new(move |exec: &mut dyn Executor| {
                     Box::new(exec.write(v, &part)) as Box<dyn std::any::Any + Send>
                 }))
                 .map_err(|_| stopped(rank))?;
         }
+        let mut first_error = None;
         for (rank, r) in self.ranks.iter().enumerate() {
-            let reply = r.replies.recv().map_err(|_| stopped(rank))?;
-            let result = reply
-                .downcast::<Result<(), RuntimeError>>()
-                .map_err(|_| RuntimeError::Backend("a write's answer was lost".into()))?;
-            (*result).map_err(|e| at_rank(rank, e))?;
+            let result = match r.replies.recv() {
+                Ok(reply) => match reply.downcast::<Result<(), RuntimeError>>() {
+                    Ok(result) => *result,
+                    Err(_) => Err(RuntimeError::Backend("a write's answer was lost".into())),
+                },
+                Err(_) => Err(stopped(rank)),
+            };
+            if let Err(e) = result {
+                first_error.get_or_insert(at_rank(rank, e));
+            }
         }
-        Ok(())
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn run(&mut self) -> Result<(), RuntimeError> {

@@ -12,6 +12,9 @@
 //!
 //! Re-entry (a task calling `run`) and concurrent callers (tests on several threads) do not wait
 //! for the pool: they run their tasks serially on their own thread.
+//!
+//! Kernels take the pool of their thread (`Pool::current`): the global one (one worker per core
+//! beyond the caller), or on a rank's thread its own share of the cores (`Pool::for_rank`).
 
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -161,8 +164,9 @@ impl Pool {
 
     /// A pool `width` threads wide (the caller and `width - 1` workers) for the thread of rank
     /// `rank`. Made once per (rank, width) and kept for the process, as the global pool is:
-    /// runs one after another reuse it, and two ranks never share one (a second caller would
-    /// run its tasks serially).
+    /// runs one after another reuse it, and the ranks of one run never share one. Two runs at
+    /// once (tests on several threads) may; the second caller then runs its tasks serially, as
+    /// any concurrent caller does.
     pub fn for_rank(rank: usize, width: usize) -> &'static Pool {
         type Pools = Mutex<Vec<((usize, usize), &'static Pool)>>;
         static POOLS: OnceLock<Pools> = OnceLock::new();
