@@ -193,6 +193,13 @@ fn verify_spmd(g: &Graph) -> Result<(), VerifyError> {
     };
     let producers = g.producers();
     let users = g.users();
+    // For each donated input, the node whose output replaces it in place.
+    let mut updated_in_place_at: Vec<Option<usize>> = vec![None; g.values.len()];
+    for o in &g.outputs {
+        if let (Some(input), Some(k)) = (o.donates, producers[o.value.index()]) {
+            updated_in_place_at[input.index()] = Some(k);
+        }
+    }
     for (i, n) in g.nodes.iter().enumerate() {
         match &n.op {
             Op::CollectiveStart {
@@ -246,10 +253,26 @@ fn verify_spmd(g: &Graph) -> Result<(), VerifyError> {
             }
             Op::Wait => {
                 let from = producers[n.inputs[0].index()];
-                if !from.is_some_and(|p| matches!(g.nodes[p].op, Op::CollectiveStart { .. })) {
+                let Some(start) =
+                    from.filter(|&p| matches!(g.nodes[p].op, Op::CollectiveStart { .. }))
+                else {
                     return Err(node_error(
                         i,
                         "waits on a value no collective start produced".into(),
+                    ));
+                };
+                // A collective reads its operand until its wait: an in-place update of it
+                // (a donated output) in between would change what the other ranks receive.
+                let operand = g.nodes[start].inputs[0];
+                if let Some(k) =
+                    updated_in_place_at[operand.index()].filter(|&k| start < k && k < i)
+                {
+                    return Err(node_error(
+                        i,
+                        format!(
+                            "node {k} updates %{} in place between its collective's start (node {start}) and this wait, while the collective may still read it; wait before node {k}",
+                            operand.index()
+                        ),
                     ));
                 }
             }

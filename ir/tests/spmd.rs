@@ -62,6 +62,24 @@ fn each_broken_spmd_invariant_is_reported() {
             &["node 0", "group 2", "(4)"],
         ),
         (
+            "an operand updated in place before its collective's wait",
+            "graph g {
+  mesh dp_shard=2
+  param %w: f32[3,4] @ [shard(0)]
+  input %lr: f32[]
+  %2: f32[6,4] = all_gather_start(%w, mesh_dims=[0], group=2, axis=0)  # fwd
+  %3: f32[3,4] = full(value=1.0, shape=[3,4], dtype=f32)  # bwd
+  %4: f32[3,4] = sgd(%w, %3, %lr, weight_decay=0.0)  # opt w
+  %5: f32[6,4] = wait(%2)  # opt
+  %6: f32[] = reduce_sum(%5, axes=[0,1], keepdim=false)  # opt
+  output s = %6 @ [replicate]
+  output w = %4 donates %w @ [shard(0)]
+}
+"
+            .to_string(),
+            &["node 3", "node 2 updates %0 in place", "wait before node 2"],
+        ),
+        (
             "a mesh dim outside the mesh",
             VALID.replace("mesh_dims=[0], group=2, axis=0", "mesh_dims=[2], group=2, axis=0"),
             &["node 0", "mesh dimension 2"],
