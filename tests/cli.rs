@@ -678,3 +678,58 @@ fn a_mesh_run_writes_one_timeline_per_rank() {
         );
     }
 }
+
+#[test]
+fn bench_and_metrics_on_a_mesh_report_each_ranks_waits() {
+    let dir = std::env::temp_dir().join(format!("graphtrain-cli-waits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("bench.json");
+    let o = graphtrain(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--mesh",
+        "dp_replicate=2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("ranks: 2 threads of 1 compute thread(s) each"),
+        "{}",
+        stdout(&o)
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let waits = summary["median_wait_s"].as_array().expect("median_wait_s");
+    assert_eq!(waits.len(), 2, "{summary}");
+    assert!(waits.iter().all(|w| w.as_f64().is_some_and(|s| s >= 0.0)));
+
+    let metrics = dir.join("run.jsonl");
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--mesh",
+        "dp_shard=2",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r["kind"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 2);
+    for s in &steps {
+        assert_eq!(s["wait_s"].as_array().map(Vec::len), Some(2), "{s}");
+    }
+}
