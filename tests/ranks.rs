@@ -3,10 +3,12 @@
 //! shared memory, against the one-device step on the same backend: every loss within 1e-5
 //! relative and every parameter within 1e-5 relative norm after 5 AdamW steps; a repeated run
 //! bitwise equal; a mesh of one rank bitwise equal to one device; the default pipeline and full
-//! activation checkpointing bitwise equal to no passes on the ranks. A rank that fails stops the
+//! activation checkpointing bitwise equal to no passes on the ranks; a mesh's checkpoint (whole
+//! tensors) resumes on one device and one device's on a mesh. A rank that fails stops the
 //! others with an error naming it instead of a hang, and a mesh whose size is not the run's is
 //! refused before anything runs.
 
+use graphtrain::checkpoint::RunIdentity;
 use graphtrain::data::DataMode;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, Mesh};
@@ -158,6 +160,43 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise_on_threads() {
             "{list}: losses"
         );
         assert!(bits(&got.1) == bits(&plain.1), "{list}: parameters differ");
+    }
+}
+
+#[test]
+fn a_mesh_checkpoint_resumes_on_one_device_and_back() {
+    let run = RunIdentity::new(&tiny(), 0, DataMode::Fixed, &OptimConfig::default());
+    // Three steps on two FSDP ranks, then two more on one device from the mesh's checkpoint;
+    // and the other way round, three on one device, two on the mesh.
+    let mut mesh = trainer(Some("dp_shard=2"));
+    let mut one = trainer(None);
+    for _ in 0..3 {
+        mesh.step().unwrap();
+        one.step().unwrap();
+    }
+    let (from_mesh, from_one) = (
+        mesh.checkpoint(run.clone()).unwrap(),
+        one.checkpoint(run.clone()).unwrap(),
+    );
+    let mut on_one = trainer(None);
+    on_one.restore(from_mesh, &run).unwrap();
+    let mut on_mesh = trainer(Some("dp_shard=2"));
+    on_mesh.restore(from_one, &run).unwrap();
+    for _ in 0..2 {
+        let want = one.step().unwrap().loss;
+        for (what, t) in [
+            ("mesh -> one device", &mut on_one),
+            ("one device -> mesh", &mut on_mesh),
+        ] {
+            let m = t.step().unwrap();
+            let rel = (m.loss - want).abs() / want;
+            assert!(
+                rel <= 1e-5,
+                "{what}: step {} loss {} vs {want}",
+                m.step,
+                m.loss
+            );
+        }
     }
 }
 
