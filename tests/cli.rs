@@ -32,6 +32,13 @@ fn assert_clean_error(o: &Output, needles: &[&str]) {
     }
 }
 
+/// A folder of this test process's own, named `name`.
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("graphtrain-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 fn temp_file(name: &str, body: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("graphtrain-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -633,8 +640,7 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
 
 #[test]
 fn a_mesh_run_writes_one_timeline_per_rank() {
-    let dir = std::env::temp_dir().join(format!("graphtrain-cli-ranks-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch_dir("ranks");
     let base = dir.join("step.json");
     let o = graphtrain(&[
         "run",
@@ -681,8 +687,7 @@ fn a_mesh_run_writes_one_timeline_per_rank() {
 
 #[test]
 fn bench_and_metrics_on_a_mesh_report_each_ranks_waits() {
-    let dir = std::env::temp_dir().join(format!("graphtrain-cli-waits-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch_dir("waits");
     let json = dir.join("bench.json");
     let o = graphtrain(&[
         "bench",

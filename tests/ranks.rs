@@ -112,35 +112,34 @@ fn bits(p: &BTreeMap<String, HostTensor>) -> Vec<(String, Vec<u64>)> {
         .collect()
 }
 
+/// Every loss and every parameter bit for bit.
+fn assert_bitwise(
+    what: &str,
+    (losses, params): &(Vec<f64>, BTreeMap<String, HostTensor>),
+    (want_losses, want_params): &(Vec<f64>, BTreeMap<String, HostTensor>),
+) {
+    let loss_bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(loss_bits(losses), loss_bits(want_losses), "{what}: losses");
+    assert!(
+        bits(params) == bits(want_params),
+        "{what}: parameters differ"
+    );
+}
+
 #[test]
 fn meshes_of_threads_match_one_device_and_repeat_bitwise() {
     let single = train(None);
     for mesh in ["dp_shard=2", "dp_replicate=2", "dp_replicate=2,dp_shard=2"] {
         let got = train(Some(mesh));
         assert_close(mesh, &got, &single);
-        let again = train(Some(mesh));
-        assert_eq!(
-            got.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            again.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            "{mesh}: a repeated run's losses differ"
-        );
-        assert!(
-            bits(&got.1) == bits(&again.1),
-            "{mesh}: a repeated run's parameters differ"
-        );
+        assert_bitwise(&format!("{mesh} run again"), &train(Some(mesh)), &got);
     }
 }
 
 #[test]
 fn a_mesh_of_one_rank_is_bitwise_one_device() {
     let single = train(None);
-    let one = train(Some("dp_shard=1"));
-    assert_eq!(
-        one.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        single.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        "losses"
-    );
-    assert!(bits(&one.1) == bits(&single.1), "parameters differ");
+    assert_bitwise("dp_shard=1", &train(Some("dp_shard=1")), &single);
 }
 
 #[test]
@@ -153,13 +152,7 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise_on_threads() {
             .build(&Registry::builtin())
             .unwrap();
         pipeline.verify_each = true;
-        let got = train_with(mesh, &pipeline);
-        assert_eq!(
-            got.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            plain.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            "{list}: losses"
-        );
-        assert!(bits(&got.1) == bits(&plain.1), "{list}: parameters differ");
+        assert_bitwise(list, &train_with(mesh, &pipeline), &plain);
     }
 }
 
