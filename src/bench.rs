@@ -57,7 +57,7 @@ pub struct BenchSummary {
     pub step_times_s: Vec<f64>,
     pub losses: Vec<f64>,
     /// On a mesh: per rank, the median over the measured steps of the seconds blocked in
-    /// collective waits for other ranks (empty on one rank).
+    /// collective waits, for other ranks or for the collective to finish (empty on one rank).
     pub median_wait_s: Vec<f64>,
 }
 

@@ -550,6 +550,8 @@ struct Setup {
     trainer: Trainer,
     /// Lowering and loading on the backend (kernel JIT happens in the first step).
     load_time: Duration,
+    /// The mesh the ranks run on, with `--mesh`.
+    mesh: Option<crate::trainer::MeshRun>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -717,6 +719,7 @@ impl TrainArgs {
             optim,
             trainer,
             load_time,
+            mesh,
         })
     }
 }
@@ -1178,6 +1181,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         mut trainer,
         data_report,
         tokenizer,
+        mesh,
         ..
     } = a.train.setup(registry)?;
     let run_id = RunIdentity::new(&cfg, a.train.seed, trainer.data().clone(), &optim);
@@ -1249,7 +1253,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         a.train.lr,
         t0.elapsed().as_secs_f64()
     );
-    if let Some(run) = a.train.mesh.mesh_run()? {
+    if let Some(run) = &mesh {
         say!(
             "mesh {}: {} ranks as threads of this process, {} compute thread(s) each; the graph, plan and arena above are one rank's, the batch {} rows over all ranks",
             run.mesh,
@@ -1474,6 +1478,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mut trainer,
         load_time,
         rss_before_load,
+        mesh,
         ..
     } = a.train.setup(registry)?;
     if a.trace_out.is_some() && !trainer.record_timeline(false) {
@@ -1567,7 +1572,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         say!(
             "ranks: {} threads of {} compute thread(s) each; blocked in collective waits per step (median): {}",
             s.median_wait_s.len(),
-            a.train.mesh.mesh_run()?.map_or(1, |m| m.threads_per_rank),
+            mesh.as_ref().map_or(1, |m| m.threads_per_rank),
             per_rank.join(", ")
         );
     }

@@ -17,7 +17,8 @@
 //!   6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is a fraction (0.12 = 12%), `null` where the
 //!   backend has no known peak; `memory_bytes` the executor's peak of live tensor bytes (on a
 //!   mesh, the largest rank's). A run on a mesh adds `"wait_s":[X,...]`: per rank, the seconds
-//!   the step spent blocked in collective waits for other ranks.
+//!   the step spent blocked in collective waits (for other ranks, or for the collective to
+//!   finish).
 //! - `"val"`: `{"kind":"val","step":N,"val_loss":X,"val_ppl":X}`: a validation after step N.
 //!
 //! A resumed run appends after the steps already there; steps past the checkpoint may then
@@ -68,7 +69,8 @@ pub struct StepRecord {
     pub memory_bytes: usize,
     pub lr: f64,
     pub wall_s: f64,
-    /// On a mesh: per rank, seconds blocked in collective waits for other ranks.
+    /// On a mesh: per rank, seconds blocked in collective waits (for other ranks, or for the
+    /// collective to finish).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub wait_s: Vec<f64>,
 }

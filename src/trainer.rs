@@ -213,8 +213,8 @@ pub struct StepMetrics {
     pub peak_bytes: usize,
     pub seconds: f64,
     pub tokens: usize,
-    /// Per rank, seconds the step spent blocked in collective waits for other ranks (empty on
-    /// one rank).
+    /// Per rank, seconds the step spent blocked in collective waits, for other ranks or for
+    /// the collective to finish (empty on one rank).
     pub wait_seconds: Vec<f64>,
 }
 

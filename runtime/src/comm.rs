@@ -101,7 +101,8 @@ pub trait Communicator: Send {
     fn abort(&self, _why: &str) -> bool {
         true
     }
-    /// Time spent blocked in waits for other ranks since the last call, and resets it.
+    /// Time spent blocked in waits, for other ranks or for the collective to finish, since the
+    /// last call; resets it.
     fn take_blocked(&self) -> Duration {
         Duration::ZERO
     }

@@ -199,8 +199,8 @@ pub trait Executor {
     fn take_rank_timelines(&mut self) -> Vec<Timeline> {
         self.take_timeline().into_iter().collect()
     }
-    /// Per rank, the time the last run spent blocked in collective waits for other ranks;
-    /// empty for a run of one rank.
+    /// Per rank, the time the last run spent blocked in collective waits, for other ranks or
+    /// for the collective to finish; empty for a run of one rank.
     fn blocked_in_waits(&self) -> Vec<std::time::Duration> {
         Vec::new()
     }

@@ -33,6 +33,11 @@ use std::time::Duration;
 
 type Job = Box<dyn FnOnce(&mut dyn Executor) -> Box<dyn std::any::Any + Send> + Send>;
 
+/// `f` as a job for a rank's thread, its answer boxed.
+fn job<R: Send + 'static>(f: impl FnOnce(&mut dyn Executor) -> R + Send + 'static) -> Job {
+    Box::new(move |exec: &mut dyn Executor| Box::new(f(exec)) as Box<dyn std::any::Any + Send>)
+}
+
 struct Rank {
     jobs: Sender<Job>,
     replies: Receiver<Box<dyn std::any::Any + Send>>,
@@ -188,21 +193,38 @@ impl ThreadRanks {
     /// Sends `job` to every rank at once, then collects every answer (rank order).
     fn on_all<R: Send + 'static>(
         &mut self,
-        job: impl Fn(usize, &mut dyn Executor) -> R + Send + Sync + Clone + 'static,
+        f: impl Fn(usize, &mut dyn Executor) -> R + Send + Sync + Clone + 'static,
     ) -> Result<Vec<R>, RuntimeError> {
-        for (rank, r) in self.ranks.iter().enumerate() {
-            let job = job.clone();
-            r.jobs
-                .send(Box::new(move |exec: &mut dyn Executor| {
-                    Box::new(job(rank, exec)) as Box<dyn std::any::Any + Send>
-                }))
-                .map_err(|_| stopped(rank))?;
-        }
-        // Every rank's answer is taken before any error returns, so that no answer is left
-        // queued for the next job to mistake for its own.
-        let mut out = Vec::with_capacity(self.ranks.len());
+        let jobs = (0..self.ranks.len())
+            .map(|rank| {
+                let f = f.clone();
+                job(move |exec| f(rank, exec))
+            })
+            .collect();
+        self.run_jobs(jobs)
+    }
+
+    /// Sends `jobs[r]` to rank r, then takes every rank's answer (rank order) before returning
+    /// the first error, so that no answer is left queued for the next job to mistake for its
+    /// own.
+    fn run_jobs<R: Send + 'static>(&mut self, jobs: Vec<Job>) -> Result<Vec<R>, RuntimeError> {
         let mut first_error = None;
-        for (rank, r) in self.ranks.iter().enumerate() {
+        let mut sent = vec![false; self.ranks.len()];
+        for ((rank, r), job) in self.ranks.iter().enumerate().zip(jobs) {
+            match r.jobs.send(job) {
+                Ok(()) => sent[rank] = true,
+                Err(_) => {
+                    first_error.get_or_insert(stopped(rank));
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(self.ranks.len());
+        for (rank, r) in self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| sent[*rank])
+        {
             let reply = match r.replies.recv() {
                 Ok(reply) => reply,
                 Err(_) => {
@@ -235,14 +257,10 @@ impl ThreadRanks {
     /// `None` where rank 0's thread has stopped or the job panicked.
     fn on_rank_zero<R: Send + 'static>(
         &mut self,
-        job: impl FnOnce(&mut dyn Executor) -> R + Send + 'static,
+        f: impl FnOnce(&mut dyn Executor) -> R + Send + 'static,
     ) -> Option<R> {
         let rank = self.ranks.first()?;
-        rank.jobs
-            .send(Box::new(move |exec: &mut dyn Executor| {
-                Box::new(job(exec)) as Box<dyn std::any::Any + Send>
-            }))
-            .ok()?;
+        rank.jobs.send(job(f)).ok()?;
         rank.replies.recv().ok()?.downcast::<R>().ok().map(|r| *r)
     }
 
@@ -316,30 +334,15 @@ impl Executor for ThreadRanks {
                 None => Ok(t.clone()),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        for ((rank, r), part) in self.ranks.iter().enumerate().zip(parts) {
-            r.jobs
-                .send(Box::new(move |exec: &mut dyn Executor| {
-                    Box::new(exec.write(v, &part)) as Box<dyn std::any::Any + Send>
-                }))
-                .map_err(|_| stopped(rank))?;
+        let jobs = parts
+            .into_iter()
+            .map(|part| job(move |exec| exec.write(v, &part)))
+            .collect();
+        let written: Vec<Result<(), RuntimeError>> = self.run_jobs(jobs)?;
+        for (rank, result) in written.into_iter().enumerate() {
+            result.map_err(|e| at_rank(rank, e))?;
         }
-        let mut first_error = None;
-        for (rank, r) in self.ranks.iter().enumerate() {
-            let result = match r.replies.recv() {
-                Ok(reply) => match reply.downcast::<Result<(), RuntimeError>>() {
-                    Ok(result) => *result,
-                    Err(_) => Err(RuntimeError::Backend("a write's answer was lost".into())),
-                },
-                Err(_) => Err(stopped(rank)),
-            };
-            if let Err(e) = result {
-                first_error.get_or_insert(at_rank(rank, e));
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     fn run(&mut self) -> Result<(), RuntimeError> {
