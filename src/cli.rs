@@ -362,13 +362,15 @@ pub struct TraceArgs {
     /// green). `dot -Tsvg FILE.dot` draws it.
     #[arg(long)]
     pub dot: Option<PathBuf>,
-    /// Trace the SPMD train step of one rank on this device mesh, e.g. `dp_shard=8` or
-    /// `dp_replicate=2,dp_shard=4` (dimensions dp_replicate, dp_shard; tp, cp, pp and ep are
+    /// Trace the SPMD train step of one rank on this device mesh, e.g. `dp_shard=8,tp=8` or
+    /// `dp_replicate=2,dp_shard=4` (dimensions dp_replicate, dp_shard, tp; cp, pp and ep are
     /// not built yet). The counts and memory figures are then per rank.
     #[arg(long)]
     pub mesh: Option<String>,
     /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
-    /// default with --mesh: FSDP over dp_shard for every parameter.
+    /// default with --mesh: FSDP over dp_shard for every parameter, and with tp, Megatron's
+    /// tensor parallelism (attention and MLP weights split, norms, embedding and output head
+    /// replicated).
     #[arg(long, requires = "mesh")]
     pub plan: Option<PathBuf>,
     /// The global batch (rows per step over all ranks) instead of the config's; with --mesh it
@@ -486,16 +488,19 @@ pub enum Launcher {
 
 #[derive(clap::Args, Debug, Default)]
 pub struct MeshArgs {
-    /// Train on a device mesh, e.g. `dp_shard=2` or `dp_replicate=2,dp_shard=2` (dimensions
-    /// dp_replicate and dp_shard; tp, cp, pp and ep are not built yet): the SPMD train step
-    /// (FSDP over dp_shard, DDP over dp_replicate) runs on every rank. The config's batch is
+    /// Train on a device mesh, e.g. `dp_shard=2`, `dp_shard=2,tp=2` or
+    /// `dp_replicate=2,dp_shard=2` (dimensions dp_replicate, dp_shard and tp; cp, pp and ep are
+    /// not built yet): the SPMD train step (FSDP over dp_shard, DDP over dp_replicate, tensor
+    /// parallelism over tp) runs on every rank. The config's batch is
     /// the global batch, split over the data ranks; the metric line gives global tokens/s, the
     /// largest rank's memory, and each rank's time blocked in waits (`wait_ms`). Checkpoints
     /// hold whole tensors, as a one-device run's. Ranks run on the cpu backend only so far.
     #[arg(long)]
     pub mesh: Option<String>,
     /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
-    /// default: FSDP over dp_shard for every parameter.
+    /// default: FSDP over dp_shard for every parameter, and with tp, Megatron's tensor
+    /// parallelism (attention and MLP weights split, norms, embedding and output head
+    /// replicated).
     #[arg(long, requires = "mesh")]
     pub plan: Option<PathBuf>,
     /// Compute threads of each rank (default: this machine's cores divided among the ranks, at
@@ -515,7 +520,7 @@ impl MeshArgs {
             return Ok(None);
         };
         let mesh = parse_mesh(text)?;
-        let plan = load_plan(self.plan.as_deref())?;
+        let plan = load_plan(self.plan.as_deref(), &mesh)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads_per_rank = match self.threads_per_rank {
             Some(0) => return Err("--threads-per-rank must be at least 1".into()),
@@ -1013,8 +1018,12 @@ fn parse_mesh(mesh: &str) -> Result<graphtrain_ir::Mesh, String> {
     graphtrain_ir::Mesh::parse(mesh).map_err(|e| format!("--mesh {mesh}: {e}"))
 }
 
-/// The plan in `--plan FILE` (RON), or FSDP over `dp_shard` for every parameter.
-fn load_plan(plan: Option<&Path>) -> Result<graphtrain_passes::parallelize::Plan, String> {
+/// The plan in `--plan FILE` (RON), or the built-in Llama 3 plan for `mesh`: FSDP over
+/// `dp_shard` for every parameter, and Megatron's tensor parallelism over `tp`.
+fn load_plan(
+    plan: Option<&Path>,
+    mesh: &graphtrain_ir::Mesh,
+) -> Result<graphtrain_passes::parallelize::Plan, String> {
     use graphtrain_passes::parallelize::Plan;
     match plan {
         Some(path) => {
@@ -1022,12 +1031,12 @@ fn load_plan(plan: Option<&Path>) -> Result<graphtrain_passes::parallelize::Plan
                 .map_err(|e| format!("--plan {}: {e}", path.display()))?;
             Plan::from_ron(&text).map_err(|e| format!("--plan {}: {e}", path.display()))
         }
-        None => Ok(Plan::fsdp()),
+        None => Ok(Plan::llama(mesh)),
     }
 }
 
 /// The SPMD train step of `cfg` on `mesh` (text as `--mesh` takes it), parameters placed by the
-/// plan in `plan` (RON) or FSDP over `dp_shard`.
+/// plan in `plan` (RON) or the built-in one.
 fn spmd_step(
     cfg: &Llama3Config,
     mesh: &str,
@@ -1035,7 +1044,7 @@ fn spmd_step(
     optim: &OptimConfig,
 ) -> Result<crate::trainer::Traced, String> {
     let mesh = parse_mesh(mesh)?;
-    let plan = load_plan(plan)?;
+    let plan = load_plan(plan, &mesh)?;
     crate::trainer::build_spmd_step(cfg, &mesh, &plan, optim).map_err(|e| e.to_string())
 }
 

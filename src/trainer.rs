@@ -134,11 +134,30 @@ pub fn build_spmd_step(
     plan: &Plan,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
+    check_heads_split(model, mesh)?;
     build_from_forward(model, DType::F32, |forward| {
         parallelize(forward, mesh, plan, optim)
             .map(|p| p.step)
             .map_err(|e| format!("--mesh {mesh}: {e}"))
     })
+}
+
+/// Tensor parallelism gives each `tp` rank whole attention heads: the query heads and the key
+/// and value heads must each split evenly. Key and value heads fewer than (or not a multiple
+/// of) `tp` are refused: replicating them over `tp` is not built.
+fn check_heads_split(model: &Llama3Config, mesh: &Mesh) -> Result<(), TrainError> {
+    let tp = mesh.size_of("tp");
+    for (what, heads) in [
+        ("query heads", model.n_heads),
+        ("key/value heads", model.n_kv_heads),
+    ] {
+        if !heads.is_multiple_of(tp) {
+            return Err(err(format!(
+                "--mesh {mesh}: {heads} {what} do not split over tp={tp}; tensor parallelism gives each rank whole heads (replicating key/value heads over tp is not built)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Writes every graph input from `slots`. The executor's graph has the trainer's inputs in the

@@ -1,5 +1,6 @@
 //! Ranks as threads on the cpu backend: the SPMD train step of `tiny` on `dp_shard=2`,
-//! `dp_replicate=2` and `dp_replicate=2,dp_shard=2`, every rank a thread with collectives in
+//! `dp_replicate=2`, `dp_replicate=2,dp_shard=2`, `tp=2` and `dp_shard=2,tp=2` (the built-in
+//! plan), every rank a thread with collectives in
 //! shared memory, against the one-device step on the same backend: every loss within 1e-5
 //! relative and every parameter within 1e-5 relative norm after 5 AdamW steps; a repeated run
 //! bitwise equal; a mesh of one rank bitwise equal to one device; the default pipeline and full
@@ -35,10 +36,13 @@ fn trainer(mesh: Option<&str>) -> Trainer {
 
 fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
     let cfg = tiny();
-    let run = mesh.map(|m| MeshRun {
-        mesh: Mesh::parse(m).unwrap(),
-        plan: Plan::fsdp(),
-        threads_per_rank: 1,
+    let run = mesh.map(|m| {
+        let mesh = Mesh::parse(m).unwrap();
+        MeshRun {
+            plan: Plan::llama(&mesh),
+            mesh,
+            threads_per_rank: 1,
+        }
     });
     Trainer::build_on(
         &cfg,
@@ -55,7 +59,8 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
     .unwrap_or_else(|e| panic!("building on {mesh:?}: {e}"))
 }
 
-/// Losses of `STEPS` steps and the parameters after them, by name.
+/// Losses and gradient norms of `STEPS` steps (interleaved: AdamW would hide a gradient off by
+/// a constant factor, the norm does not) and the parameters after them, by name.
 fn train(mesh: Option<&str>) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
     train_with(mesh, &Pipeline::new(Vec::new()))
 }
@@ -63,7 +68,10 @@ fn train(mesh: Option<&str>) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
 fn train_with(mesh: Option<&str>, pipeline: &Pipeline) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
     let mut t = trainer_with(mesh, pipeline);
     let losses = (0..STEPS)
-        .map(|_| t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}")).loss)
+        .flat_map(|_| {
+            let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
+            [m.loss, m.grad_norm]
+        })
         .collect();
     (losses, t.parameters().unwrap().into_iter().collect())
 }
@@ -80,18 +88,22 @@ fn rel_norm(a: &HostTensor, b: &HostTensor) -> f64 {
     diff / norm
 }
 
-/// Every loss within 1e-5 relative and every parameter within 1e-5 relative norm; NaN fails.
+/// Every loss and gradient norm within 1e-5 relative and every parameter within `tolerance`
+/// relative norm; NaN fails.
 fn assert_close(
     mesh: &str,
     (losses, params): &(Vec<f64>, BTreeMap<String, HostTensor>),
     (want_losses, want_params): &(Vec<f64>, BTreeMap<String, HostTensor>),
+    tolerance: f64,
 ) {
-    for (step, (got, want)) in losses.iter().zip(want_losses).enumerate() {
+    assert_eq!(losses.len(), want_losses.len());
+    for (k, (got, want)) in losses.iter().zip(want_losses).enumerate() {
         let rel = (got - want).abs() / want.abs();
+        let what = ["loss", "grad_norm"][k % 2];
         assert!(
             rel <= 1e-5,
-            "{mesh}: step {} loss {got} vs one device {want} ({rel:.2e} relative)",
-            step + 1
+            "{mesh}: step {} {what} {got} vs one device {want} ({rel:.2e} relative)",
+            k / 2 + 1
         );
     }
     assert_eq!(params.len(), want_params.len(), "{mesh}: parameter count");
@@ -100,7 +112,7 @@ fn assert_close(
         assert_eq!(got.ty, want.ty, "{mesh}: {name}'s type");
         let rel = rel_norm(got, want);
         assert!(
-            rel <= 1e-5,
+            rel <= tolerance,
             "{mesh}: {name} is {rel:.2e} (relative norm) from one device's"
         );
     }
@@ -129,9 +141,21 @@ fn assert_bitwise(
 #[test]
 fn meshes_of_threads_match_one_device_and_repeat_bitwise() {
     let single = train(None);
-    for mesh in ["dp_shard=2", "dp_replicate=2", "dp_replicate=2,dp_shard=2"] {
+    for mesh in [
+        "dp_shard=2",
+        "dp_replicate=2",
+        "dp_replicate=2,dp_shard=2",
+        "tp=2",
+        "dp_shard=2,tp=2",
+    ] {
         let got = train(Some(mesh));
-        assert_close(mesh, &got, &single);
+        // Under tensor parallelism one element of tiny's first `w2` drifts to 1.8e-5 of the
+        // tensor's norm (every other tensor stays within 3e-6): a hidden unit
+        // whose gradient nearly cancels, so f32 rounding in its sum, which `tp` orders
+        // differently, is a large share of it, and AdamW's normalization makes that a full
+        // step. The gradient norms above stay within 1e-5 at every step.
+        let tolerance = if mesh.contains("tp") { 3e-5 } else { 1e-5 };
+        assert_close(mesh, &got, &single, tolerance);
         assert_bitwise(&format!("{mesh} run again"), &train(Some(mesh)), &got);
     }
 }

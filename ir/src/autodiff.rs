@@ -61,6 +61,10 @@ pub struct GradOptions<'a> {
     /// differentiate their local loss, starts at 1 / world size: the sum over ranks is then the
     /// gradient of the mean loss.
     pub seed: Option<f64>,
+    /// Mesh dimensions (and the number of ranks along them) over which the loss is replicated
+    /// but its cotangent starts partial: each rank starts at `seed / group` (`to_partial`), the
+    /// convention under which the gradient of every replicated value is a partial sum.
+    pub seed_partial: Option<(Vec<usize>, usize)>,
 }
 
 /// One application of a gradient rule, as `GradOptions::replace_rule` sees it.
@@ -131,7 +135,7 @@ pub fn grad_with(
             g,
             meta: Meta::new(loss_module, Phase::Backward),
         };
-        let one = cx.push(
+        let mut one = cx.push(
             Op::Full {
                 value: opts.seed.unwrap_or(1.0),
                 shape: vec![],
@@ -139,6 +143,15 @@ pub fn grad_with(
             },
             vec![],
         )?;
+        if let Some((mesh_dims, group)) = &opts.seed_partial {
+            one = cx.push(
+                Op::ToPartial {
+                    mesh_dims: mesh_dims.clone(),
+                    group: *group,
+                },
+                vec![one],
+            )?;
+        }
         cot[loss.index()] = Some(one);
     }
 
@@ -723,6 +736,15 @@ fn rule(
         | Op::Sgd { .. } => Err(not_diff()),
         // The handle carries the result: waiting is the identity on values.
         Op::Wait => one(gy),
+        // The gradient of the partial result is replicated; the input's is partial again:
+        // each rank's share `gy / group` sums to `gy`.
+        Op::ToPartial { mesh_dims, group } => one(cx.push(
+            Op::ToPartial {
+                mesh_dims: mesh_dims.clone(),
+                group: *group,
+            },
+            vec![gy],
+        )?),
         // Over the ranks of a group, all-gather and reduce-scatter(sum) are each other's
         // adjoint, all-reduce(sum) is its own, and an average scales by 1/n on the way back.
         Op::CollectiveStart {

@@ -366,6 +366,13 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             group,
         } => one(collective_type(*collective, mesh_dims, *group, &ins[0])?),
         Op::Wait => one(ins[0].clone()),
+        Op::ToPartial { group, .. } => {
+            if *group == 0 {
+                return Err("to_partial over a group of 0 ranks".into());
+            }
+            need_float("to_partial's operand", &ins[0])?;
+            one(ins[0].clone())
+        }
     }
 }
 

@@ -542,6 +542,7 @@ fn eval(op: &Op, ins: &[&HostTensor], outs: &[TensorType]) -> Result<Vec<Vec<f64
         }
         // The handle holds the collective's result; `run_ranks` computes it across ranks.
         Op::Wait => one(x.data.clone()),
+        Op::ToPartial { group, .. } => one(x.data.iter().map(|&a| a / *group as f64).collect()),
         Op::CollectiveStart { .. } => {
             Err("internal error: collectives are evaluated across ranks".into())
         }

@@ -393,6 +393,11 @@ pub enum Op {
     },
     /// The result of the collective whose handle it reads, once it has arrived.
     Wait,
+    /// A replicated value made partial(sum) over mesh dimensions `mesh_dims` (`group` ranks):
+    /// each rank keeps `x / group`, so the ranks' sum is `x`. No data moves. It starts the
+    /// backward pass of a loss replicated over tensor-parallel ranks, whose gradient is then
+    /// partial like that of every other replicated value.
+    ToPartial { mesh_dims: Vec<usize>, group: usize },
 }
 
 /// An attribute value as written in the text format.
@@ -476,6 +481,7 @@ impl Op {
             Op::AdamW { .. } => "adamw",
             Op::Sgd { .. } => "sgd",
             Op::CollectiveStart { collective, .. } => collective.start_name(),
+            Op::ToPartial { .. } => "to_partial",
             Op::Wait => "wait",
         }
     }
@@ -524,6 +530,7 @@ impl Op {
         ]);
         names.extend(Collective::START_NAMES);
         names.push("wait");
+        names.push("to_partial");
         names
     }
 
@@ -547,6 +554,7 @@ impl Op {
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }
             | Op::CollectiveStart { .. }
+            | Op::ToPartial { .. }
             | Op::Wait => Exactly(1),
             Op::Binary(_)
             | Op::Compare(_)
@@ -610,6 +618,7 @@ impl Op {
                 | Op::MulScalar { .. }
                 | Op::PowScalar { .. }
                 | Op::Cast { .. }
+                | Op::ToPartial { .. }
         )
     }
 
@@ -700,6 +709,9 @@ impl Op {
                 ("weight_decay", Attr::Float(*weight_decay)),
             ],
             Op::Sgd { weight_decay } => vec![("weight_decay", Attr::Float(*weight_decay))],
+            Op::ToPartial { mesh_dims, group } => {
+                vec![("mesh_dims", ints(mesh_dims)), ("group", int(*group))]
+            }
             Op::CollectiveStart {
                 collective,
                 mesh_dims,
@@ -857,6 +869,10 @@ impl Op {
                 weight_decay: a.float("weight_decay")?,
             },
             "wait" => Op::Wait,
+            "to_partial" => Op::ToPartial {
+                mesh_dims: a.usizes("mesh_dims")?,
+                group: a.usize("group")?,
+            },
             start if Collective::START_NAMES.contains(&start) => {
                 let mesh_dims = a.usizes("mesh_dims")?;
                 let group = a.usize("group")?;

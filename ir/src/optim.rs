@@ -116,6 +116,12 @@ pub trait RankReductions {
     /// The cotangent each rank's backward pass starts from (1 / the number of ranks the loss is
     /// averaged over).
     fn seed(&self) -> f64;
+    /// The mesh dimensions (and the number of ranks along them) over which the loss is
+    /// replicated while the work under it is split (tensor parallelism): the seed is made
+    /// partial over them, so that gradients sum over those ranks as they do over data ranks.
+    fn seed_partial(&self) -> Option<(Vec<usize>, usize)> {
+        None
+    }
     /// The gradient the update of parameter `index` (in `Traced::params` order) uses, from the
     /// one the rank's backward pass computed: reductions over the mesh dimensions where the
     /// parameter is replicated but its gradient partial.
@@ -163,6 +169,7 @@ pub fn build_train_step_with(
     let params: Vec<ValueId> = traced.params.iter().map(|p| p.value).collect();
     let opts = GradOptions {
         seed: ranks.map(|r| r.seed()),
+        seed_partial: ranks.and_then(|r| r.seed_partial()),
         ..GradOptions::default()
     };
     let mut grads = grad_with(&mut g, loss, &params, &opts)?;

@@ -80,6 +80,20 @@ pub fn node_rule(
     let n_out = op.num_outputs();
     let mut outs = vec![Vec::with_capacity(mesh.dims.len()); n_out];
     for (m, dim) in mesh.dims.iter().enumerate() {
+        if let Op::ToPartial { mesh_dims, .. } = op {
+            let p = ins[0].0[m];
+            outs[0].push(match p {
+                _ if !mesh_dims.contains(&m) => p,
+                Replicate => Partial(Reduce::Sum),
+                _ => {
+                    return Err(format!(
+                        "to_partial of a value placed {p} on mesh dimension `{}`: only a replicated value can be split into a partial sum",
+                        dim.name
+                    ))
+                }
+            });
+            continue;
+        }
         if let Op::CollectiveStart { mesh_dims, .. } = op {
             if !mesh_dims.contains(&m) {
                 // Untouched mesh dims keep their placement, unless they shard an axis the
@@ -301,11 +315,15 @@ fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&Tenso
                 "x and its gradient must be split alike along rows, the weight replicated".into(),
             ),
         },
-        Op::Rope { .. } => one(keep_shard_on(
-            p[0],
-            &[0, 2],
-            "rope (positions are the sequence index)",
-        )?),
+        // A rotation of each pair: linear, so a partial sum goes through.
+        Op::Rope { .. } => match p[0] {
+            Partial(r) => one(Partial(r)),
+            x => one(keep_shard_on(
+                x,
+                &[0, 2],
+                "rope (positions are the sequence index)",
+            )?),
+        },
         Op::Attention { .. } => {
             let q = keep_shard_on(p[0], &[0, 1], "attention")?;
             if p[1] != q || p[2] != q {
@@ -377,5 +395,6 @@ fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&Tenso
             (Collective::Broadcast { .. }, _) => one(Replicate),
         },
         Op::Gather { .. } | Op::ScatterAdd { .. } => Ok(None),
+        Op::ToPartial { .. } => unreachable!("node_rule places to_partial itself"),
     }
 }

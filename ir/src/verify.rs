@@ -164,11 +164,12 @@ fn verify_spmd(g: &Graph) -> Result<(), VerifyError> {
         }
     };
     let Some(mesh) = &g.mesh else {
-        if let Some(i) = g
-            .nodes
-            .iter()
-            .position(|n| matches!(n.op, Op::CollectiveStart { .. } | Op::Wait))
-        {
+        if let Some(i) = g.nodes.iter().position(|n| {
+            matches!(
+                n.op,
+                Op::CollectiveStart { .. } | Op::Wait | Op::ToPartial { .. }
+            )
+        }) {
             return Err(node_error(
                 i,
                 "a collective in a graph without a mesh".into(),

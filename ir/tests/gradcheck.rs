@@ -108,6 +108,7 @@ op_kinds! {
         .map(|collective| Op::CollectiveStart { collective, mesh_dims: vec![0], group: 1 })
     },
     Op::Wait => [Op::Wait],
+    Op::ToPartial { .. } => [Op::ToPartial { mesh_dims: vec![0], group: 1 }],
 }
 
 type Cots = Vec<Option<ValueId>>;
@@ -428,7 +429,7 @@ fn plan(op: &Op) -> Plan {
         Op::AdamW { .. } | Op::Sgd { .. } => {
             Plan::NoRule("an optimizer step: never differentiated; autodiff refuses it")
         }
-        Op::CollectiveStart { .. } | Op::Wait => Plan::OnRanks,
+        Op::CollectiveStart { .. } | Op::Wait | Op::ToPartial { .. } => Plan::OnRanks,
     }
 }
 

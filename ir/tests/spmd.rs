@@ -374,7 +374,10 @@ fn autodiff_grad(src: &str, xs: &[HostTensor], ws: &[HostTensor], planted: bool)
                 site: &graphtrain_ir::autodiff::RuleSite<'_>,
                 cots: Vec<Option<ValueId>>|
      -> Result<Vec<Option<ValueId>>, graphtrain_ir::TypeError> {
-        if !matches!(site.node.op, Op::CollectiveStart { .. }) {
+        if !matches!(
+            site.node.op,
+            Op::CollectiveStart { .. } | Op::ToPartial { .. }
+        ) {
             return Ok(cots);
         }
         cots.into_iter()
@@ -421,7 +424,7 @@ fn max_error(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
 
 #[test]
 fn collective_gradients_match_finite_differences_and_a_wrong_rule_fails() {
-    let cases: [(&str, &str, &[usize], &[usize]); 6] = [
+    let cases: [(&str, &str, &[usize], &[usize]); 7] = [
         (
             "all_gather_start",
             "mesh_dims=[1], group=2, axis=1",
@@ -458,6 +461,8 @@ fn collective_gradients_match_finite_differences_and_a_wrong_rule_fails() {
             &[4, 3],
             &[2, 6],
         ),
+        // Not a collective (no data moves, no wait), but an SPMD op with a rule all the same.
+        ("to_partial", "mesh_dims=[0,1], group=4", &[2, 3], &[2, 3]),
     ];
     let dims = |s: &[usize]| {
         s.iter()
@@ -466,12 +471,20 @@ fn collective_gradients_match_finite_differences_and_a_wrong_rule_fails() {
             .join(",")
     };
     for (op, attrs, in_shape, out_shape) in cases {
-        let src = format!(
-            "graph c {{\n  mesh dp_shard=2,tp=2\n  input %x: f64[{}]\n  %1: f64[{}] = {op}(%x, {attrs})  # fwd\n  %2: f64[{}] = wait(%1)  # fwd\n  output y = %2\n}}\n",
-            dims(in_shape),
-            dims(out_shape),
-            dims(out_shape)
-        );
+        let src = if op == "to_partial" {
+            format!(
+                "graph c {{\n  mesh dp_shard=2,tp=2\n  input %x: f64[{}]\n  %1: f64[{}] = {op}(%x, {attrs})  # fwd\n  output y = %1\n}}\n",
+                dims(in_shape),
+                dims(out_shape),
+            )
+        } else {
+            format!(
+                "graph c {{\n  mesh dp_shard=2,tp=2\n  input %x: f64[{}]\n  %1: f64[{}] = {op}(%x, {attrs})  # fwd\n  %2: f64[{}] = wait(%1)  # fwd\n  output y = %2\n}}\n",
+                dims(in_shape),
+                dims(out_shape),
+                dims(out_shape)
+            )
+        };
         let g = graph_of(&src);
         let n_in: usize = in_shape.iter().product();
         let n_out: usize = out_shape.iter().product();

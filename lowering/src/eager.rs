@@ -298,6 +298,11 @@ pub(crate) fn elementwise_expr(g: &Graph, k: usize) -> Option<Expr> {
             }
         }
         Op::Offload | Op::Reload => Expr::Input(0),
+        Op::ToPartial { group, .. } => Expr::Binary(
+            BinaryOp::Mul,
+            i(0),
+            Box::new(Expr::constant(1.0 / *group as f64)),
+        ),
         Op::Full { value, .. } => Expr::constant(round_for(g.ty(n.outputs[0]).dtype, *value)),
         // Broadcasting one element is elementwise too.
         Op::Expand { .. } if g.ty(n.inputs[0]).numel() == 1 => Expr::Input(0),

@@ -10,20 +10,28 @@
 //!   forward to backward (keeping it instead is a scheduling policy for a later pass); its
 //!   gradient is reduce-scattered (the all-gather's adjoint) and AdamW updates only the rank's
 //!   shard, with optimizer state sharded alike;
-//! - gradients of parameters replicated over a data dimension are all-reduced over it (DDP over
-//!   `dp_replicate`, and HSDP as the two together);
+//! - tensor parallelism over `tp` (Megatron's, from the plan: `Plan::llama`): an op that cannot
+//!   take a partial sum, such as the residual add after a matmul split along its contraction,
+//!   gets it all-reduced first; autodiff then gives backward its conjugate all-reduce;
+//! - gradients of parameters replicated over a mesh dimension are all-reduced over it (DDP over
+//!   `dp_replicate`, and HSDP as the two together; over `tp` for the norms, the embedding and
+//!   the output head), each as placement propagation finds it partial;
 //! - each rank starts its backward pass at 1 / (data ranks), so the sum over ranks is the
-//!   gradient of the global mean loss; the global gradient norm (and clipping) sums the ranks'
-//!   squared shards with an all-reduce; the reported `loss` is averaged over the data ranks.
+//!   gradient of the global mean loss, and partial over `tp` (`to_partial`), so that the
+//!   gradient of every replicated value is a partial sum, as over the data ranks; the global
+//!   gradient norm (and clipping) sums the ranks' squared shards with an all-reduce; the
+//!   reported `loss` is averaged over the data ranks.
 //!
 //! Guarantees: the result passes the verifier, placement propagation included; every input and
 //! output carries its placement; a mesh whose dimensions are all of size 1 gives exactly the
 //! single-device train step (no collective is emitted over a dimension of size 1).
 //!
-//! Declines, with an error naming what and where: a mesh with `tp`, `cp`, `pp` or `ep` larger
-//! than 1 (tensor parallelism is not built yet); a batch or a parameter dimension that does not
-//! split evenly; a plan rule that matches no parameter or names an unknown mesh dimension; an
-//! op whose operands' placements it has no rule for.
+//! Declines, with an error naming what and where: a mesh with `cp`, `pp` or `ep` larger than 1
+//! (not built yet); a batch or a parameter dimension that does not split evenly; a plan rule
+//! that matches no parameter or names an unknown mesh dimension; an op whose operands'
+//! placements it has no rule for, even with partial operands reduced. Not built: sequence
+//! parallelism (activations between blocks split by sequence over `tp`) and loss parallelism
+//! (the output head split by vocabulary).
 
 use graphtrain_ir::graph::{Graph, InputKind, Meta, Phase, TypeError, ValueId};
 use graphtrain_ir::mesh::{Mesh, Placement, Placements, Reduce};
@@ -33,6 +41,7 @@ use graphtrain_ir::spmd::node_rule;
 use graphtrain_ir::trace::{ParamSpec, Traced};
 use graphtrain_ir::{verify, BinaryOp, TensorType};
 use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 /// Where parameters live on the mesh: rules in order, the first whose pattern matches a
@@ -52,7 +61,7 @@ pub struct ParamRule {
 }
 
 impl Plan {
-    /// The built-in plan for Llama 3: FSDP over `dp_shard` for every parameter (row blocks).
+    /// FSDP over `dp_shard` for every parameter (row blocks).
     pub fn fsdp() -> Plan {
         Plan {
             params: vec![ParamRule {
@@ -60,6 +69,39 @@ impl Plan {
                 placements: BTreeMap::from([("dp_shard".to_string(), Placement::Shard(0))]),
             }],
         }
+    }
+
+    /// The built-in plan for Llama 3 on `mesh`: FSDP over `dp_shard` for every parameter and,
+    /// when `tp` is larger than 1, Megatron's tensor parallelism: `wq`, `wk`, `wv`, `w1`, `w3`
+    /// split by output features (rows of the `[out, in]` weight), `wo` and `w2` by input
+    /// features, so each block needs one all-reduce after attention and one after the MLP in
+    /// forward, and one each in backward. Norms, the embedding and the output head stay
+    /// replicated over `tp` (their gradients are all-reduced over it). FSDP then splits the
+    /// other axis of a `tp`-split weight: all-gathering along the axis `tp` also splits would
+    /// interleave the blocks.
+    pub fn llama(mesh: &Mesh) -> Plan {
+        if mesh.size_of(TENSOR_DIM) == 1 {
+            return Plan::fsdp();
+        }
+        let rule = |pattern: &str, tp: usize, fsdp: usize| ParamRule {
+            pattern: pattern.into(),
+            placements: BTreeMap::from([
+                (TENSOR_DIM.to_string(), Placement::Shard(tp)),
+                ("dp_shard".to_string(), Placement::Shard(fsdp)),
+            ]),
+        };
+        let mut params: Vec<ParamRule> = ["attention.wq", "attention.wk", "attention.wv"]
+            .iter()
+            .chain(&["feed_forward.w1", "feed_forward.w3"])
+            .map(|m| rule(&format!("*.{m}.weight"), 0, 1))
+            .collect();
+        params.extend(
+            ["attention.wo", "feed_forward.w2"]
+                .iter()
+                .map(|m| rule(&format!("*.{m}.weight"), 1, 0)),
+        );
+        params.extend(Plan::fsdp().params);
+        Plan { params }
     }
 
     pub fn from_ron(text: &str) -> Result<Plan, String> {
@@ -88,6 +130,9 @@ fn glob(pattern: &str, name: &str) -> bool {
 /// The data dimensions: the batch is split over these.
 const DATA_DIMS: [&str; 2] = ["dp_replicate", "dp_shard"];
 
+/// The tensor-parallel dimension: weights split, activations between blocks replicated.
+const TENSOR_DIM: &str = "tp";
+
 /// The SPMD train step and what a runner needs to feed it.
 pub struct Parallel {
     pub step: TrainStep,
@@ -105,9 +150,9 @@ pub fn parallelize(
     cfg: &OptimConfig,
 ) -> Result<Parallel, String> {
     for d in &mesh.dims {
-        if !DATA_DIMS.contains(&d.name.as_str()) && d.size > 1 {
+        if !DATA_DIMS.contains(&d.name.as_str()) && d.name != TENSOR_DIM && d.size > 1 {
             return Err(format!(
-                "mesh {mesh}: `{}` is not supported yet (tensor, context, pipeline and expert parallelism are not built); use dp_replicate and dp_shard",
+                "mesh {mesh}: `{}` is not supported yet (context, pipeline and expert parallelism are not built); use dp_replicate, dp_shard and tp",
                 d.name
             ));
         }
@@ -123,6 +168,7 @@ pub fn parallelize(
             .iter()
             .map(|p| placements[&p.name].clone())
             .collect(),
+        grad_placements: RefCell::new(None),
     };
     let step = build_train_step_with(local, "loss", cfg, Some(&reductions))
         .map_err(|e| format!("parallelize: {e}"))?;
@@ -299,6 +345,8 @@ fn localize(
     }
     // Parameters sharded over some dims are gathered once, right before their first use.
     let mut gathered: BTreeMap<usize, (ValueId, Placements)> = BTreeMap::new();
+    // Partial values all-reduced, by local value: each is reduced once, however many use it.
+    let mut reduced: BTreeMap<usize, (ValueId, Placements)> = BTreeMap::new();
     let param_of: BTreeMap<usize, &str> = traced
         .params
         .iter()
@@ -315,7 +363,12 @@ fn localize(
         let mut ins = Vec::with_capacity(node.inputs.len());
         for v in &node.inputs {
             let (local, placement) = map[v.index()].clone().expect("operands come first");
-            let sharded = sharded_dims(&placement, mesh);
+            // FSDP: gathered over the data dimensions; a split over `tp` stays (each rank
+            // computes with its part of the weight).
+            let sharded: Vec<usize> = sharded_dims(&placement, mesh)
+                .into_iter()
+                .filter(|&m| DATA_DIMS.contains(&mesh.dims[m].name.as_str()))
+                .collect();
             if param_of.contains_key(&v.index()) && !sharded.is_empty() {
                 if let Some(done) = gathered.get(&v.index()) {
                     ins.push(done.clone());
@@ -331,19 +384,36 @@ fn localize(
                     x = collective(&mut g, Collective::AllGather { axis }, mesh, &[m], x, &meta)
                         .map_err(|e| at(e.to_string()))?;
                 }
-                let full = (x, Placements::replicated(mesh));
+                let mut full = (x, placement.clone());
+                for &m in &sharded {
+                    full.1 .0[m] = Placement::Replicate;
+                }
                 gathered.insert(v.index(), full.clone());
                 ins.push(full);
             } else {
                 ins.push((local, placement));
             }
         }
-        let in_placements: Vec<&Placements> = ins.iter().map(|(_, p)| p).collect();
         let global_in: Vec<&TensorType> = node.inputs.iter().map(|v| src.ty(*v)).collect();
         let global_out: Vec<&TensorType> = node.outputs.iter().map(|v| src.ty(*v)).collect();
-        let outs = node_rule(&node.op, &in_placements, &global_in, &global_out, mesh)
-            .map_err(&at)?
-            .ok_or_else(|| at("no placement rule for this op yet".into()))?;
+        let rule = |ins: &[(ValueId, Placements)]| {
+            let in_placements: Vec<&Placements> = ins.iter().map(|(_, p)| p).collect();
+            node_rule(&node.op, &in_placements, &global_in, &global_out, mesh)
+        };
+        let outs = match rule(&ins) {
+            Ok(outs) => outs,
+            // An op that cannot take a partial sum (the residual add after a row-split matmul)
+            // gets it all-reduced first.
+            Err(e) => {
+                if !reduce_partials(&mut g, mesh, &mut ins, &mut reduced, &node.meta)
+                    .map_err(|e| at(e.to_string()))?
+                {
+                    return Err(at(e));
+                }
+                rule(&ins).map_err(&at)?
+            }
+        }
+        .ok_or_else(|| at("no placement rule for this op yet".into()))?;
         let local_out: Vec<TensorType> = global_out
             .iter()
             .zip(&outs)
@@ -377,6 +447,45 @@ fn localize(
     })
 }
 
+/// Every operand partial over some mesh dimensions all-reduced over them (one collective per
+/// kind of reduction), once per value (`reduced`). False when no operand is partial.
+fn reduce_partials(
+    g: &mut Graph,
+    mesh: &Mesh,
+    ins: &mut [(ValueId, Placements)],
+    reduced: &mut BTreeMap<usize, (ValueId, Placements)>,
+    meta: &Meta,
+) -> Result<bool, TypeError> {
+    let mut any = false;
+    for operand in ins.iter_mut() {
+        let key = operand.0.index();
+        if let Some(done) = reduced.get(&key) {
+            *operand = done.clone();
+            any = true;
+            continue;
+        }
+        let (mut v, mut p) = operand.clone();
+        for reduce in [Reduce::Sum, Reduce::Avg] {
+            let dims: Vec<usize> = (0..mesh.dims.len())
+                .filter(|&m| p.0[m] == Placement::Partial(reduce))
+                .collect();
+            if dims.is_empty() {
+                continue;
+            }
+            v = collective(g, Collective::AllReduce { reduce }, mesh, &dims, v, meta)?;
+            for m in dims {
+                p.0[m] = Placement::Replicate;
+            }
+        }
+        if v != operand.0 {
+            reduced.insert(key, (v, p.clone()));
+            *operand = (v, p);
+            any = true;
+        }
+    }
+    Ok(any)
+}
+
 /// `layers.0.attention.wq.weight` -> `layers.0.attention.wq`: the gather belongs to the module.
 fn module_of(param: &str) -> String {
     param
@@ -405,31 +514,71 @@ fn with_local_shape(op: &Op, local: &TensorType) -> Op {
     }
 }
 
-/// The reductions of data parallelism (FSDP, DDP, HSDP) over the data dimensions.
+/// The reductions of the ranks over the mesh: data parallelism (FSDP, DDP, HSDP) over the data
+/// dimensions and tensor parallelism over `tp`.
 struct DataParallel {
     mesh: Mesh,
     /// Placement of every parameter, in `Traced::params` order.
     params: Vec<Placements>,
+    /// The placement of every value of the graph as it was when the first gradient was reduced
+    /// (every gradient exists by then), worked out once.
+    grad_placements: RefCell<Option<Vec<Option<Placements>>>>,
 }
 
 impl DataParallel {
-    fn data_dims(&self) -> Vec<usize> {
+    fn dims_named(&self, names: &[&str]) -> Vec<usize> {
         (0..self.mesh.dims.len())
             .filter(|&m| {
-                DATA_DIMS.contains(&self.mesh.dims[m].name.as_str()) && self.mesh.dims[m].size > 1
+                names.contains(&self.mesh.dims[m].name.as_str()) && self.mesh.dims[m].size > 1
             })
             .collect()
+    }
+
+    /// Where `grad` (a value of `g`) is placed, from the placements of `g`'s inputs.
+    fn placement_of(&self, g: &Graph, grad: ValueId, meta: &Meta) -> Result<Placements, TypeError> {
+        let fail = |message: String| TypeError {
+            op: "parallelize",
+            module: meta.module.clone(),
+            operands: vec![g.ty(grad).clone()],
+            message,
+        };
+        let mut cache = self.grad_placements.borrow_mut();
+        if cache.is_none() {
+            let propagation = graphtrain_ir::spmd::propagate(g, &self.mesh).map_err(|(i, e)| {
+                fail(format!(
+                    "the backward pass cannot be placed at node {i} ({} in `{}`): {e}",
+                    g.nodes[i].op.name(),
+                    g.nodes[i].meta.module
+                ))
+            })?;
+            *cache = Some(propagation.placements);
+        }
+        cache
+            .as_ref()
+            .and_then(|c| c.get(grad.index()).cloned().flatten())
+            .ok_or_else(|| fail("the gradient's placement is unknown".into()))
     }
 }
 
 impl RankReductions for DataParallel {
     fn seed(&self) -> f64 {
-        1.0 / self.mesh.group_size(&self.data_dims()) as f64
+        1.0 / self.mesh.group_size(&self.dims_named(&DATA_DIMS)) as f64
     }
 
-    /// The batch is split over every data dimension, so the gradient is partial over each; a
-    /// sharded parameter's was already reduce-scattered there (the gather's adjoint), a
-    /// replicated one's is all-reduced.
+    /// The loss is replicated over `tp`, whose ranks each computed a part of it: its gradient
+    /// starts partial there, as every replicated value's gradient is.
+    fn seed_partial(&self) -> Option<(Vec<usize>, usize)> {
+        let dims = self.dims_named(&[TENSOR_DIM]);
+        (!dims.is_empty()).then(|| {
+            let group = self.mesh.group_size(&dims);
+            (dims, group)
+        })
+    }
+
+    /// Each rank's gradient of a parameter replicated over a mesh dimension is partial there
+    /// (the batch is split over data dimensions, the work over `tp`): all-reduced over those
+    /// dimensions. A sharded parameter's was already reduce-scattered (the gather's adjoint).
+    /// Checked against placement propagation: the result must be placed as the parameter.
     fn reduce_grad(
         &self,
         g: &mut Graph,
@@ -438,24 +587,39 @@ impl RankReductions for DataParallel {
         meta: &Meta,
     ) -> Result<ValueId, TypeError> {
         let p = &self.params[index];
-        let dims: Vec<usize> = self
-            .data_dims()
-            .into_iter()
-            .filter(|&m| p.0[m] == Placement::Replicate)
-            .collect();
-        if dims.is_empty() {
-            return Ok(grad);
+        let placed = self.placement_of(g, grad, meta)?;
+        let mut out = grad;
+        let mut now = placed.clone();
+        for reduce in [Reduce::Sum, Reduce::Avg] {
+            let dims: Vec<usize> = (0..self.mesh.dims.len())
+                .filter(|&m| {
+                    p.0[m] == Placement::Replicate && placed.0[m] == Placement::Partial(reduce)
+                })
+                .collect();
+            if dims.is_empty() {
+                continue;
+            }
+            out = collective(
+                g,
+                Collective::AllReduce { reduce },
+                &self.mesh,
+                &dims,
+                out,
+                meta,
+            )?;
+            for m in dims {
+                now.0[m] = Placement::Replicate;
+            }
         }
-        collective(
-            g,
-            Collective::AllReduce {
-                reduce: Reduce::Sum,
-            },
-            &self.mesh,
-            &dims,
-            grad,
-            meta,
-        )
+        if now != *p {
+            return Err(TypeError {
+                op: "parallelize",
+                module: meta.module.clone(),
+                operands: vec![g.ty(grad).clone()],
+                message: format!("the gradient is placed {placed}, the parameter {p}"),
+            });
+        }
+        Ok(out)
     }
 
     /// Sums of sharded gradients are partial over the dims that shard them: each group of
@@ -511,7 +675,7 @@ impl RankReductions for DataParallel {
     }
 
     fn report_loss(&self, g: &mut Graph, loss: ValueId, meta: &Meta) -> Result<ValueId, TypeError> {
-        let dims = self.data_dims();
+        let dims = self.dims_named(&DATA_DIMS);
         if dims.is_empty() {
             return Ok(loss);
         }
