@@ -50,6 +50,25 @@ use std::collections::BTreeMap;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub params: Vec<ParamRule>,
+    /// Sequence parallelism over `tp`: the activations between blocks (the residual stream and
+    /// the norms on it) split by sequence position instead of replicated, all-gathered before
+    /// each block's split matmuls and reduce-scattered after them (the all-reduce's two
+    /// halves), which divides their memory by `tp`. The tokens are split alike.
+    #[serde(default)]
+    pub sequence_parallel: bool,
+    /// Placements pinned on the activations that ops of some modules read: each such operand is
+    /// redistributed to them first. So far a pin may only ask for `Replicate` (an all-gather of
+    /// a split, an all-reduce of a partial sum).
+    #[serde(default)]
+    pub pins: Vec<PinRule>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PinRule {
+    /// A module path, where `*` stands for any run of characters (`output`, `layers.*.attention`).
+    pub module: String,
+    /// The placement per mesh dimension name the module's activation operands must have.
+    pub placements: BTreeMap<String, Placement>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -68,6 +87,8 @@ impl Plan {
                 pattern: "*".into(),
                 placements: BTreeMap::from([("dp_shard".to_string(), Placement::Shard(0))]),
             }],
+            sequence_parallel: false,
+            pins: Vec::new(),
         }
     }
 
@@ -75,8 +96,10 @@ impl Plan {
     /// when `tp` is larger than 1, Megatron's tensor parallelism: `wq`, `wk`, `wv`, `w1`, `w3`
     /// split by output features (rows of the `[out, in]` weight), `wo` and `w2` by input
     /// features, so each block needs one all-reduce after attention and one after the MLP in
-    /// forward, and one each in backward. Norms, the embedding and the output head stay
-    /// replicated over `tp` (their gradients are all-reduced over it). FSDP then splits the
+    /// forward, and one each in backward, with sequence parallelism between blocks (each
+    /// all-reduce becomes a reduce-scatter and an all-gather). Norms, the embedding and the
+    /// output head stay replicated over `tp` (their gradients are all-reduced over it); the
+    /// logits are gathered whole before the loss (loss parallelism is not built). FSDP then splits the
     /// other axis of a `tp`-split weight: all-gathering along the axis `tp` also splits would
     /// interleave the blocks.
     pub fn llama(mesh: &Mesh) -> Plan {
@@ -101,7 +124,17 @@ impl Plan {
                 .map(|m| rule(&format!("*.{m}.weight"), 1, 0)),
         );
         params.extend(Plan::fsdp().params);
-        Plan { params }
+        Plan {
+            params,
+            sequence_parallel: true,
+            // The output head reads the whole sequence: gathering its input (`dim` wide) costs
+            // less than gathering the logits (`vocab` wide), and the head's weight gradient then
+            // needs no split rows.
+            pins: vec![PinRule {
+                module: "output".into(),
+                placements: BTreeMap::from([(TENSOR_DIM.to_string(), Placement::Replicate)]),
+            }],
+        }
     }
 
     pub fn from_ron(text: &str) -> Result<Plan, String> {
@@ -158,8 +191,9 @@ pub fn parallelize(
         }
     }
     let placements = param_placements(&traced, mesh, plan)?;
-    let data_split = data_placements(mesh);
-    let local = localize(&traced, mesh, &placements, &data_split)?;
+    let data_split = DataSplit::new(mesh, plan.sequence_parallel);
+    check_pins(&traced, mesh, &plan.pins)?;
+    let local = localize(&traced, mesh, &placements, &data_split, &plan.pins)?;
 
     let reductions = DataParallel {
         mesh: mesh.clone(),
@@ -189,6 +223,41 @@ pub fn parallelize(
         mesh: mesh.clone(),
         param_placements: placements,
     })
+}
+
+/// Pins name modules the graph has and ask for `Replicate` on known mesh dimensions.
+fn check_pins(traced: &Traced, mesh: &Mesh, pins: &[PinRule]) -> Result<(), String> {
+    for pin in pins {
+        if !traced
+            .graph
+            .nodes
+            .iter()
+            .any(|n| glob(&pin.module, &n.meta.module))
+        {
+            return Err(format!(
+                "plan: the pin on `{}` matches no module of the graph",
+                pin.module
+            ));
+        }
+        for (dim, placement) in &pin.placements {
+            if mesh.dim(dim).is_none()
+                && !graphtrain_ir::mesh::MESH_DIM_NAMES.contains(&dim.as_str())
+            {
+                return Err(format!(
+                    "plan: the pin on `{}` places on `{dim}`, which is not a mesh dimension (known: {})",
+                    pin.module,
+                    graphtrain_ir::mesh::MESH_DIM_NAMES.join(", ")
+                ));
+            }
+            if *placement != Placement::Replicate {
+                return Err(format!(
+                    "plan: the pin on `{}` asks for {placement} on `{dim}`; pins may only ask for replicate so far",
+                    pin.module
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Every parameter's placement from the plan, checked against the mesh and the shapes.
@@ -256,20 +325,48 @@ fn param_placements(
     Ok(out)
 }
 
-/// Rows of the batch over the data dimensions of size > 1.
-fn data_placements(mesh: &Mesh) -> Placements {
-    Placements(
-        mesh.dims
-            .iter()
-            .map(|d| {
-                if DATA_DIMS.contains(&d.name.as_str()) && d.size > 1 {
-                    Placement::Shard(0)
-                } else {
-                    Placement::Replicate
-                }
-            })
-            .collect(),
-    )
+/// How the batch inputs split: rows over the data dimensions of size > 1; with sequence
+/// parallelism the tokens also by position over `tp`, so that the embedding's output, the
+/// residual stream, starts split by sequence.
+struct DataSplit {
+    rows: Placements,
+    tokens: Placements,
+}
+
+impl DataSplit {
+    fn new(mesh: &Mesh, sequence_parallel: bool) -> DataSplit {
+        let placed = |tp: Placement| {
+            Placements(
+                mesh.dims
+                    .iter()
+                    .map(|d| match d.name.as_str() {
+                        _ if d.size == 1 => Placement::Replicate,
+                        n if DATA_DIMS.contains(&n) => Placement::Shard(0),
+                        TENSOR_DIM => tp,
+                        _ => Placement::Replicate,
+                    })
+                    .collect(),
+            )
+        };
+        let tp = if sequence_parallel {
+            Placement::Shard(1)
+        } else {
+            Placement::Replicate
+        };
+        DataSplit {
+            rows: placed(Placement::Replicate),
+            tokens: placed(tp),
+        }
+    }
+
+    /// The placement of data input `name` of rank `rank` (scalars are replicated).
+    fn of(&self, name: &str, rank: usize, mesh: &Mesh) -> Placements {
+        match (name, rank) {
+            (_, 0) => Placements::replicated(mesh),
+            ("tokens", _) => self.tokens.clone(),
+            _ => self.rows.clone(),
+        }
+    }
 }
 
 /// The mesh dimensions (of size > 1) where `p` is sharded.
@@ -307,7 +404,8 @@ fn localize(
     traced: &Traced,
     mesh: &Mesh,
     params: &BTreeMap<String, Placements>,
-    data: &Placements,
+    data: &DataSplit,
+    pins: &[PinRule],
 ) -> Result<Traced, String> {
     let src = &traced.graph;
     let mut g = Graph::new(src.name.clone());
@@ -322,8 +420,7 @@ fn localize(
                 .get(&input.name)
                 .cloned()
                 .unwrap_or_else(|| Placements::replicated(mesh)),
-            InputKind::Data if ty.rank() > 0 => data.clone(),
-            InputKind::Data => Placements::replicated(mesh),
+            InputKind::Data => data.of(&input.name, ty.rank(), mesh),
         };
         let local = placement.local_shape(mesh, &ty.shape).map_err(|e| {
             format!(
@@ -345,8 +442,13 @@ fn localize(
     }
     // Parameters sharded over some dims are gathered once, right before their first use.
     let mut gathered: BTreeMap<usize, (ValueId, Placements)> = BTreeMap::new();
-    // Partial values all-reduced, by local value: each is reduced once, however many use it.
-    let mut reduced: BTreeMap<usize, (ValueId, Placements)> = BTreeMap::new();
+    // Parameters and their layout changes (a transpose, reshape or cast of one), by source
+    // value: never gathered over `tp`.
+    let mut weight = vec![false; src.values.len()];
+    for p in &traced.params {
+        weight[p.value.index()] = true;
+    }
+    let mut redistributed = Redistributed::new();
     let param_of: BTreeMap<usize, &str> = traced
         .params
         .iter()
@@ -400,20 +502,57 @@ fn localize(
             let in_placements: Vec<&Placements> = ins.iter().map(|(_, p)| p).collect();
             node_rule(&node.op, &in_placements, &global_in, &global_out, mesh)
         };
-        let outs = match rule(&ins) {
-            Ok(outs) => outs,
-            // An op that cannot take a partial sum (the residual add after a row-split matmul)
-            // gets it all-reduced first.
-            Err(e) => {
-                if !reduce_partials(&mut g, mesh, &mut ins, &mut reduced, &node.meta)
-                    .map_err(|e| at(e.to_string()))?
-                {
-                    return Err(at(e));
-                }
-                rule(&ins).map_err(&at)?
+        let is_param: Vec<bool> = node.inputs.iter().map(|v| weight[v.index()]).collect();
+        if is_param.iter().any(|w| *w)
+            && matches!(
+                node.op,
+                Op::Transpose { .. } | Op::Reshape { .. } | Op::Cast { .. }
+            )
+        {
+            for o in &node.outputs {
+                weight[o.index()] = true;
             }
         }
-        .ok_or_else(|| at("no placement rule for this op yet".into()))?;
+        if let Some(pin) = pins.iter().position(|p| glob(&p.module, &node.meta.module)) {
+            redistribute(
+                Redistribute::Pinned(pin),
+                Operands {
+                    g: &mut g,
+                    mesh,
+                    ins: &mut ins,
+                    is_param: &is_param,
+                    done: &mut redistributed,
+                    meta: &node.meta,
+                    pins,
+                },
+            )
+            .map_err(|e| at(e.to_string()))?;
+        }
+        let mut outs = rule(&ins);
+        for stage in [Redistribute::Partials, Redistribute::SequenceShards] {
+            if outs.is_ok() {
+                break;
+            }
+            let changed = redistribute(
+                stage,
+                Operands {
+                    g: &mut g,
+                    mesh,
+                    ins: &mut ins,
+                    is_param: &is_param,
+                    done: &mut redistributed,
+                    meta: &node.meta,
+                    pins,
+                },
+            )
+            .map_err(|e| at(e.to_string()))?;
+            if changed {
+                outs = rule(&ins);
+            }
+        }
+        let outs = outs
+            .map_err(&at)?
+            .ok_or_else(|| at("no placement rule for this op yet".into()))?;
         let local_out: Vec<TensorType> = global_out
             .iter()
             .zip(&outs)
@@ -447,43 +586,97 @@ fn localize(
     })
 }
 
-/// Every operand partial over some mesh dimensions all-reduced over them (one collective per
-/// kind of reduction), once per value (`reduced`). False when no operand is partial.
-fn reduce_partials(
-    g: &mut Graph,
-    mesh: &Mesh,
-    ins: &mut [(ValueId, Placements)],
-    reduced: &mut BTreeMap<usize, (ValueId, Placements)>,
-    meta: &Meta,
-) -> Result<bool, TypeError> {
-    let mut any = false;
-    for operand in ins.iter_mut() {
-        let key = operand.0.index();
-        if let Some(done) = reduced.get(&key) {
-            *operand = done.clone();
-            any = true;
+/// The redistributions `localize` inserts: those a plan pins, then, where an op refuses its
+/// operands' placements, the others in this order until the op's rule accepts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Redistribute {
+    /// Activation operands made `Replicate` on the dimensions pin `.0` names.
+    Pinned(usize),
+    /// A partial operand is reduce-scattered to the split another operand has along `tp` (the
+    /// residual add after a block under sequence parallelism), or else all-reduced (the
+    /// residual add after a block under plain tensor parallelism).
+    Partials,
+    /// An activation split by sequence over `tp` is all-gathered (the input of a block's split
+    /// matmuls under sequence parallelism). Parameters are never gathered over `tp`: their
+    /// split is the point.
+    SequenceShards,
+}
+
+/// What `localize` redistributed, by local value and kind: each once, however many use it.
+type Redistributed = BTreeMap<(usize, Redistribute), (ValueId, Placements)>;
+
+/// One node's operands as `redistribute` rewrites them.
+struct Operands<'a> {
+    g: &'a mut Graph,
+    mesh: &'a Mesh,
+    ins: &'a mut [(ValueId, Placements)],
+    is_param: &'a [bool],
+    done: &'a mut Redistributed,
+    meta: &'a Meta,
+    pins: &'a [PinRule],
+}
+
+/// Applies `stage` to every operand it concerns; false when none.
+fn redistribute(stage: Redistribute, o: Operands<'_>) -> Result<bool, TypeError> {
+    let mesh = o.mesh;
+    let before: Vec<(ValueId, Placements)> = o.ins.to_vec();
+    let mut changed = false;
+    for i in 0..o.ins.len() {
+        let key = (o.ins[i].0.index(), stage);
+        if let Some(done) = o.done.get(&key) {
+            o.ins[i] = done.clone();
+            changed = true;
             continue;
         }
-        let (mut v, mut p) = operand.clone();
-        for reduce in [Reduce::Sum, Reduce::Avg] {
-            let dims: Vec<usize> = (0..mesh.dims.len())
-                .filter(|&m| p.0[m] == Placement::Partial(reduce))
-                .collect();
-            if dims.is_empty() {
-                continue;
-            }
-            v = collective(g, Collective::AllReduce { reduce }, mesh, &dims, v, meta)?;
-            for m in dims {
-                p.0[m] = Placement::Replicate;
-            }
+        let (mut v, mut p) = o.ins[i].clone();
+        let rank = o.g.ty(v).rank();
+        for m in 0..mesh.dims.len() {
+            let is_tp = mesh.dims[m].name == TENSOR_DIM;
+            let c = match (stage, p.0[m]) {
+                (Redistribute::Partials, Placement::Partial(reduce)) => {
+                    // The split of another operand of the same rank along this dimension.
+                    let sibling = before
+                        .iter()
+                        .enumerate()
+                        .find_map(|(j, (w, q))| match q.0[m] {
+                            Placement::Shard(d) if j != i && o.g.ty(*w).rank() == rank => Some(d),
+                            _ => None,
+                        });
+                    match sibling {
+                        Some(axis) if is_tp => Collective::ReduceScatter { axis, reduce },
+                        _ => Collective::AllReduce { reduce },
+                    }
+                }
+                (Redistribute::SequenceShards, Placement::Shard(axis))
+                    if is_tp && !o.is_param[i] =>
+                {
+                    Collective::AllGather { axis }
+                }
+                (Redistribute::Pinned(pin), q)
+                    if !o.is_param[i]
+                        && o.pins[pin].placements.contains_key(&mesh.dims[m].name) =>
+                {
+                    match q {
+                        Placement::Shard(axis) => Collective::AllGather { axis },
+                        Placement::Partial(reduce) => Collective::AllReduce { reduce },
+                        Placement::Replicate => continue,
+                    }
+                }
+                _ => continue,
+            };
+            v = collective(o.g, c, mesh, &[m], v, o.meta)?;
+            p.0[m] = match c {
+                Collective::ReduceScatter { axis, .. } => Placement::Shard(axis),
+                _ => Placement::Replicate,
+            };
         }
-        if v != operand.0 {
-            reduced.insert(key, (v, p.clone()));
-            *operand = (v, p);
-            any = true;
+        if v != o.ins[i].0 {
+            o.done.insert(key, (v, p.clone()));
+            o.ins[i] = (v, p);
+            changed = true;
         }
     }
-    Ok(any)
+    Ok(changed)
 }
 
 /// `layers.0.attention.wq.weight` -> `layers.0.attention.wq`: the gather belongs to the module.
@@ -737,7 +930,7 @@ fn place_signature(
     g: &mut Graph,
     mesh: &Mesh,
     params: &BTreeMap<String, Placements>,
-    data: &Placements,
+    data: &DataSplit,
 ) {
     let of = |name: &str| -> Option<Placements> {
         params.get(name).cloned().or_else(|| {
@@ -750,8 +943,7 @@ fn place_signature(
     let types: Vec<usize> = g.inputs.iter().map(|i| g.ty(i.value).rank()).collect();
     for (input, rank) in g.inputs.iter_mut().zip(types) {
         input.placement = Some(match input.kind {
-            InputKind::Data if rank > 0 => data.clone(),
-            InputKind::Data => Placements::replicated(mesh),
+            InputKind::Data => data.of(&input.name, rank, mesh),
             _ => of(&input.name).unwrap_or_else(|| Placements::replicated(mesh)),
         });
     }

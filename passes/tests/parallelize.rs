@@ -215,11 +215,15 @@ fn rel_norm(a: &HostTensor, b: &HostTensor) -> f64 {
 }
 
 fn assert_matches_single(mesh: &str) {
+    let plan = Plan::llama(&Mesh::parse(mesh).unwrap());
+    assert_matches_single_with(mesh, &plan);
+}
+
+fn assert_matches_single_with(mesh: &str, plan: &Plan) {
     let cfg = tiny();
     let mesh = Mesh::parse(mesh).unwrap();
     let (want_losses, want) = run_single(&cfg, 5);
-    let plan = Plan::llama(&mesh);
-    let (losses, got) = run_mesh(&cfg, &mesh, &plan, 5);
+    let (losses, got) = run_mesh(&cfg, &mesh, plan, 5);
     for (r, l) in losses.iter().enumerate() {
         // Every rank reports the same global loss, bit for bit.
         assert_eq!(l, &losses[0], "rank {r}");
@@ -239,7 +243,7 @@ fn assert_matches_single(mesh: &str) {
         assert!(r <= 1e-5, "{mesh}: `{name}` off by {r:e} (relative norm)");
     }
     // The run repeats bit for bit.
-    let (again_losses, again) = run_mesh(&cfg, &mesh, &plan, 5);
+    let (again_losses, again) = run_mesh(&cfg, &mesh, plan, 5);
     assert_eq!(again_losses, losses);
     for (name, t) in &got {
         let bits = |t: &HostTensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -275,50 +279,96 @@ fn fsdp_with_tensor_parallel_over_four_ranks_matches_one_device() {
     assert_matches_single("dp_shard=2,tp=2");
 }
 
-/// Megatron's shape: per block, one all-reduce over `tp` after attention and one after the MLP
-/// in forward, and their conjugates in backward; the split weights' gradients need no
-/// reduction over `tp`, the replicated ones' (norms, embedding, output head) one each.
+/// The built-in plan's tensor parallelism is sequence parallel; without it, too.
 #[test]
-fn tensor_parallel_all_reduces_once_per_block_half_each_way() {
+fn tensor_parallel_without_sequence_parallelism_matches_one_device() {
+    let mesh = "dp_shard=2,tp=2";
+    let plan = Plan {
+        sequence_parallel: false,
+        pins: Vec::new(),
+        ..Plan::llama(&Mesh::parse(mesh).unwrap())
+    };
+    assert_matches_single_with(mesh, &plan);
+}
+
+/// Megatron's shape, counted per collective, phase and module: per block, one all-reduce over
+/// `tp` after attention and one after the MLP in forward, and their conjugates in backward;
+/// with sequence parallelism each all-reduce is a reduce-scatter (the residual stream is split
+/// by sequence) and an all-gather (before the block's split matmuls), and the output head's
+/// input is gathered. The split weights' gradients need no reduction over `tp`; the replicated
+/// ones' (two norms per block, the final norm, the embedding, the output head) one all-reduce
+/// each; the clipping norm one for the split weights' squared sums.
+#[test]
+fn tensor_parallel_communicates_as_megatron_does() {
     let cfg = tiny();
     let mesh = Mesh::parse("tp=2").unwrap();
-    let par = parallelize(
-        cfg.trace(DType::F32).unwrap(),
-        &mesh,
-        &Plan::llama(&mesh),
-        &OptimConfig::default(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let g = &par.step.graph;
-    let reduces_in = |phase: graphtrain_ir::Phase, module: &str| {
-        g.nodes
-            .iter()
-            .filter(|n| {
-                n.op.name() == "all_reduce_start"
-                    && n.meta.phase == phase
-                    && n.meta.module.starts_with(module)
-            })
-            .count()
+    let l = cfg.n_layers;
+    let count = |plan: &Plan| {
+        let par = parallelize(
+            cfg.trace(DType::F32).unwrap(),
+            &mesh,
+            plan,
+            &OptimConfig::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let g = &par.step.graph;
+        let wq = g.input_named("layers.0.attention.wq.weight").unwrap();
+        assert_eq!(g.ty(wq.value).shape, vec![cfg.dim / 2, cfg.dim]);
+        let wo = g.input_named("layers.0.attention.wo.weight").unwrap();
+        assert_eq!(g.ty(wo.value).shape, vec![cfg.dim, cfg.dim / 2]);
+        let mut counts: BTreeMap<(String, &str, String), usize> = BTreeMap::new();
+        for n in g.nodes.iter().filter(|n| n.op.name().ends_with("_start")) {
+            // `layers.3.attention.wq` -> `layers.*.attention.wq`
+            let module = n
+                .meta
+                .module
+                .split('.')
+                .map(|p| if p.parse::<usize>().is_ok() { "*" } else { p })
+                .collect::<Vec<_>>()
+                .join(".");
+            *counts
+                .entry((n.op.name().to_string(), n.meta.phase.short(), module))
+                .or_default() += 1;
+        }
+        counts
     };
-    use graphtrain_ir::Phase::*;
-    assert_eq!(reduces_in(Forward, "layers."), 2 * cfg.n_layers);
-    assert_eq!(reduces_in(Backward, "layers."), 2 * cfg.n_layers);
+    fn want(
+        rows: &[(&str, &'static str, &str, usize)],
+    ) -> BTreeMap<(String, &'static str, String), usize> {
+        rows.iter()
+            .map(|(op, phase, module, n)| ((format!("{op}_start"), *phase, module.to_string()), *n))
+            .collect()
+    }
+    let replicated_grads = 2 * l + 3;
+    let plain = Plan {
+        sequence_parallel: false,
+        pins: Vec::new(),
+        ..Plan::llama(&mesh)
+    };
     assert_eq!(
-        g.nodes
-            .iter()
-            .filter(|n| n.op.name() == "all_gather_start")
-            .count(),
-        0
+        count(&plain),
+        want(&[
+            ("all_reduce", "fwd", "layers.*", 2 * l),
+            ("all_reduce", "bwd", "layers.*", 2 * l),
+            ("all_reduce", "bwd", "optim.reduce_grads", replicated_grads),
+            ("all_reduce", "opt", "optim.clip_grad_norm", 1),
+        ])
     );
-    // Two norms per block, the final norm, the embedding and the output head.
     assert_eq!(
-        reduces_in(Backward, "optim.reduce_grads"),
-        2 * cfg.n_layers + 3
+        count(&Plan::llama(&mesh)),
+        want(&[
+            ("reduce_scatter", "fwd", "layers.*", 2 * l),
+            ("all_gather", "fwd", "layers.*.attention.wq", l),
+            ("all_gather", "fwd", "layers.*.feed_forward.w1", l),
+            ("all_gather", "fwd", "output", 1),
+            ("all_gather", "bwd", "layers.*", 2 * l),
+            ("reduce_scatter", "bwd", "layers.*.attention.wq", l),
+            ("reduce_scatter", "bwd", "layers.*.feed_forward.w1", l),
+            ("reduce_scatter", "bwd", "output", 1),
+            ("all_reduce", "bwd", "optim.reduce_grads", replicated_grads),
+            ("all_reduce", "opt", "optim.clip_grad_norm", 1),
+        ])
     );
-    let wq = g.input_named("layers.0.attention.wq.weight").unwrap();
-    assert_eq!(g.ty(wq.value).shape, vec![cfg.dim / 2, cfg.dim]);
-    let wo = g.input_named("layers.0.attention.wo.weight").unwrap();
-    assert_eq!(g.ty(wo.value).shape, vec![cfg.dim, cfg.dim / 2]);
 }
 
 #[test]
@@ -411,7 +461,11 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
     // A batch of 4 does not split 3 ways (with parameters replicated, so the batch is checked).
     refused(
         "dp_shard=3",
-        &Plan { params: Vec::new() },
+        &Plan {
+            params: Vec::new(),
+            sequence_parallel: false,
+            pins: Vec::new(),
+        },
         &["tokens", "does not split evenly 3 ways"],
     );
     refused("cp=2", &Plan::fsdp(), &["`cp` is not supported yet"]);
@@ -420,13 +474,15 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
     refused(
         "tp=4",
         &Plan::llama(&Mesh::parse("tp=4").unwrap()),
-        &["layers.0.attention", "does not split"],
+        &["attention", "does not split"],
     );
     let unknown = Plan {
         params: vec![ParamRule {
             pattern: "layers.*.attention.wz.weight".into(),
             placements: BTreeMap::new(),
         }],
+        sequence_parallel: false,
+        pins: Vec::new(),
     };
     refused(
         "dp_shard=2",
@@ -441,6 +497,8 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
                 graphtrain_ir::Placement::Shard(1),
             )]),
         }],
+        sequence_parallel: false,
+        pins: Vec::new(),
     };
     assert_ne!(cfg.dim % 3, 0, "tiny's dim does not split 3 ways");
     refused(
@@ -448,6 +506,25 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
         &columns,
         &["tok_embeddings.weight", "does not split evenly 3 ways"],
     );
+    let pin = |module: &str, placement: graphtrain_ir::Placement| Plan {
+        pins: vec![graphtrain_passes::parallelize::PinRule {
+            module: module.into(),
+            placements: BTreeMap::from([("tp".to_string(), placement)]),
+        }],
+        ..Plan::fsdp()
+    };
+    refused(
+        "tp=2",
+        &pin("head", graphtrain_ir::Placement::Replicate),
+        &["`head`", "matches no module"],
+    );
+    refused(
+        "tp=2",
+        &pin("output", graphtrain_ir::Placement::Shard(1)),
+        &["`output`", "shard(1)", "only ask for replicate"],
+    );
+    let built_in = Plan::llama(&Mesh::parse("tp=2").unwrap());
+    assert_eq!(Plan::from_ron(&built_in.to_ron()).unwrap(), built_in);
     let plan = Plan::from_ron("(params: [(pattern: \"*\", placements: {\"dp_shard\": Shard(0)})])")
         .unwrap();
     assert_eq!(plan, Plan::fsdp());
@@ -456,15 +533,13 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
         .contains("plan:"));
 }
 
-/// The default pipeline and every activation-checkpointing policy run on the SPMD train step,
+/// The default pipeline, every activation-checkpointing policy, offload and capture run on the
+/// SPMD train steps of HSDP and of FSDP with sequence-parallel TP, the e-graph rewrites on TP,
 /// leave a graph the verifier (placements included) accepts, and keep every rank's results bit
 /// for bit (tier 1) on the N-rank interpreter.
 #[test]
-fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise() {
+fn every_pass_keeps_the_spmd_steps_bitwise() {
     let cfg = tiny();
-    let mesh = Mesh::parse("dp_replicate=2,dp_shard=2").unwrap();
-    let par = fsdp(&cfg, &mesh);
-    let g = &par.step.graph;
     let registry = Registry::builtin();
     let mut pipelines: Vec<Vec<(String, Option<String>)>> = vec![DEFAULT_PIPELINE
         .iter()
@@ -473,21 +548,34 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise() {
     for policy in ["full", "selective", "budget:0.5"] {
         pipelines.push(vec![("ac".to_string(), Some(policy.to_string()))]);
     }
-    for passes in pipelines {
-        let mut out = g.clone();
-        for (name, option) in &passes {
-            let pass = registry.build(name, option.as_deref()).unwrap();
-            out = pass.run(&out).unwrap_or_else(|e| panic!("{name}: {e}")).0;
-            graphtrain_ir::verify(&out)
-                .unwrap_or_else(|e| panic!("{name}={option:?} left an invalid graph: {e}"));
-        }
-        assert_eq!(out.mesh, g.mesh);
-        assert_ne!(&out, g, "{passes:?} changed nothing");
-        compare_numerics(g, &out, Tier::Preserving, 1)
-            .unwrap_or_else(|e| panic!("{passes:?}: {e}"));
+    pipelines.push(vec![(
+        "offload".to_string(),
+        Some("min_bytes:1024".to_string()),
+    )]);
+    pipelines.push(vec![("capture".to_string(), None)]);
+    // The e-graph declines FSDP steps: their backward gathers are `remat=recompute` copies,
+    // which hashconsing would merge back into the forward ones. It runs on plain TP.
+    let egraph = vec![vec![("egraph".to_string(), None)]];
+    for (mesh, pipelines) in [
+        ("dp_replicate=2,dp_shard=2", &pipelines),
+        ("dp_shard=2,tp=2", &pipelines),
+        ("tp=2", &egraph),
+    ] {
+        let mesh = Mesh::parse(mesh).unwrap();
+        let par = parallelize(
+            cfg.trace(DType::F32).unwrap(),
+            &mesh,
+            &Plan::llama(&mesh),
+            &OptimConfig::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        check_pipelines(&par.step.graph, &mesh, pipelines, &registry);
     }
     // The comparison can fail: a backward seed of 0.26 instead of 1/4 changes every rank's
     // update.
+    let mesh = Mesh::parse("dp_replicate=2,dp_shard=2").unwrap();
+    let par = fsdp(&cfg, &mesh);
+    let g = &par.step.graph;
     let mut planted = g.clone();
     let seed = planted
         .nodes
@@ -499,4 +587,35 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise() {
     }
     let e = compare_numerics(g, &planted, Tier::Preserving, 1).unwrap_err();
     assert!(e.contains("rank"), "{e}");
+}
+
+/// Runs every pipeline on `g`, verifies each result and compares it with `g` bit for bit.
+fn check_pipelines(
+    g: &graphtrain_ir::Graph,
+    mesh: &Mesh,
+    pipelines: &[Vec<(String, Option<String>)>],
+    registry: &Registry,
+) {
+    for passes in pipelines {
+        let mut out = g.clone();
+        let mut reports = Vec::new();
+        for (name, option) in passes {
+            let pass = registry.build(name, option.as_deref()).unwrap();
+            let (next, report) = pass
+                .run(&out)
+                .unwrap_or_else(|e| panic!("{mesh}: {name}: {e}"));
+            out = next;
+            reports.push(report.to_string());
+            graphtrain_ir::verify(&out)
+                .unwrap_or_else(|e| panic!("{mesh}: {name}={option:?} left an invalid graph: {e}"));
+        }
+        assert_eq!(out.mesh, g.mesh);
+        assert!(
+            &out != g,
+            "{mesh}: {passes:?} changed nothing: {}",
+            reports.join("; ")
+        );
+        compare_numerics(g, &out, Tier::Preserving, 1)
+            .unwrap_or_else(|e| panic!("{mesh}: {passes:?}: {e}"));
+    }
 }

@@ -20,7 +20,7 @@
 use crate::cpu::CpuExecutor;
 use crate::device::{DeviceExecutor, DeviceKind};
 use crate::{Backend, Communicator, Executor, ReferenceExecutor, RuntimeError, RuntimeOptions};
-use graphtrain_ir::{decompose::decompose, text, Graph};
+use graphtrain_ir::{decompose::decompose, text, Graph, Placements};
 use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program};
 use graphtrain_passes::{PassRecord, Pipeline, PipelineSpec, Registry};
 use std::fmt;
@@ -141,17 +141,32 @@ pub fn compile(
 /// parameters and collapse to one each, which saves hundreds of tiny launches per step. Eager
 /// mode keeps one step per node of the decomposed graph, as the numerics baseline. Tier 1.
 pub fn legalize(g: &Graph, backend: Backend, mode: Mode) -> Result<Graph, RuntimeError> {
-    let primitives = decompose(g, &|op| op.is_composite() && !backend.keeps_composite(op))
+    let mut primitives = decompose(g, &|op| op.is_composite() && !backend.keeps_composite(op))
         .map_err(|e| RuntimeError::Lower(format!("decomposing composites failed: {e}")))?;
     if mode == Mode::Eager {
         return Ok(primitives);
     }
+    // Placements were checked on `g`. Inside a decomposed composite they need not be
+    // expressible: an embedding flattens its ids, and ids split by sequence (sequence
+    // parallelism) do not stay one contiguous block per rank when flattened, though each rank's
+    // rows are still its own. So the cleanup runs on the graph without its signature's
+    // placements (nothing is placement-checked), and they are put back after.
+    let placements: Vec<(String, Option<Placements>)> = primitives
+        .inputs
+        .iter_mut()
+        .map(|i| (i.name.clone(), i.placement.take()))
+        .collect();
     let cleanup = PipelineSpec::parse_list("cse,dce")
         .and_then(|spec| spec.build(&Registry::builtin()))
         .map_err(RuntimeError::Pipeline)?;
-    let (out, _) = cleanup
+    let (mut out, _) = cleanup
         .run(&primitives)
         .map_err(|e| RuntimeError::Pipeline(e.to_string()))?;
+    for (name, p) in placements {
+        if let Some(input) = out.inputs.iter_mut().find(|i| i.name == name) {
+            input.placement = p;
+        }
+    }
     Ok(out)
 }
 
