@@ -562,8 +562,25 @@ fn trace_on_a_mesh_prints_one_ranks_step_and_refuses_what_cannot_work() {
         "(params: [(pattern: \"layers.*.attention.wz.weight\", placements: {})])",
     );
     let plan = plan.to_str().unwrap();
+    // The built-in plan on tp: Megatron's split with sequence parallelism.
+    let o = graphtrain(&["trace", "--config", "tiny", "--mesh", "dp_shard=2,tp=2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("mesh dp_shard=2,tp=2: 4 ranks"), "{out}");
+    for op in ["reduce_scatter_start", "to_partial"] {
+        assert!(out.contains(op), "{op} missing:\n{out}");
+    }
     for (args, needles) in [
-        (vec!["--mesh", "tp=2"], vec!["`tp` is not supported yet"]),
+        (vec!["--mesh", "cp=2"], vec!["`cp` is not supported yet"]),
+        // tiny's 4 query heads over 3 ranks, its 2 key/value heads over 4.
+        (
+            vec!["--mesh", "tp=3"],
+            vec!["4 query heads do not split over tp=3"],
+        ),
+        (
+            vec!["--mesh", "tp=4"],
+            vec!["2 key/value heads do not split over tp=4", "not built"],
+        ),
         (vec!["--mesh", "dp=2"], vec!["unknown mesh dimension `dp`"]),
         (
             vec!["--mesh", "dp_shard=3"],
@@ -616,8 +633,16 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
             "one wait per rank: `{l}`"
         );
     }
+    // Tensor (and sequence) parallelism with FSDP: the same losses to 4 decimals.
+    let four = graphtrain(&[&base[..], &["--mesh", "dp_shard=2,tp=2"]].concat());
+    assert!(four.status.success(), "{}", stderr(&four));
+    assert_eq!(a, step_losses(&stdout(&four)), "dp_shard=2,tp=2");
     for (args, needles) in [
-        (vec!["--mesh", "tp=2"], vec!["`tp` is not supported yet"]),
+        (vec!["--mesh", "cp=2"], vec!["`cp` is not supported yet"]),
+        (
+            vec!["--mesh", "tp=3"],
+            vec!["4 query heads do not split over tp=3"],
+        ),
         (vec!["--mesh", "dp=2"], vec!["unknown mesh dimension `dp`"]),
         (
             vec!["--mesh", "dp_shard=3"],
