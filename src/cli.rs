@@ -484,6 +484,10 @@ pub struct TrainArgs {
 pub enum Launcher {
     /// Every rank a thread of this process; collectives through shared memory.
     Threads,
+    /// Rank 0 alone, on every core, for one rank's time and memory on a mesh larger than the
+    /// machine: collectives move no data (each uses this rank's operand for every member's), so
+    /// the losses are no real run's, and nothing is checkpointed.
+    Fake,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -507,8 +511,9 @@ pub struct MeshArgs {
     /// least one).
     #[arg(long, requires = "mesh")]
     pub threads_per_rank: Option<usize>,
-    /// How the ranks start: `threads` (every rank a thread of this process, the default and
-    /// so far the only launcher).
+    /// How the ranks start: `threads` (every rank a thread of this process, the default) or
+    /// `fake` (rank 0 alone with collectives that move no data: one rank's step time and memory
+    /// on a mesh far larger than this machine; its losses are no real run's).
     #[arg(long, value_enum, requires = "mesh")]
     pub launcher: Option<Launcher>,
 }
@@ -522,15 +527,27 @@ impl MeshArgs {
         let mesh = parse_mesh(text)?;
         let plan = load_plan(self.plan.as_deref(), &mesh)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads_per_rank = match self.threads_per_rank {
-            Some(0) => return Err("--threads-per-rank must be at least 1".into()),
-            Some(n) => n,
-            None => (cores / mesh.world_size()).max(1),
+        let launch = match self.launcher {
+            Some(Launcher::Fake) => crate::trainer::Launch::FakeRankZero,
+            Some(Launcher::Threads) | None => crate::trainer::Launch::Threads,
+        };
+        let threads_per_rank = match (self.threads_per_rank, launch) {
+            (Some(_), crate::trainer::Launch::FakeRankZero) => {
+                return Err(
+                    "--threads-per-rank: with --launcher fake rank 0 runs alone on every core"
+                        .into(),
+                )
+            }
+            (None, crate::trainer::Launch::FakeRankZero) => cores,
+            (Some(0), _) => return Err("--threads-per-rank must be at least 1".into()),
+            (Some(n), _) => n,
+            (None, _) => (cores / mesh.world_size()).max(1),
         };
         Ok(Some(crate::trainer::MeshRun {
             mesh,
             plan,
             threads_per_rank,
+            launch,
         }))
     }
 }
@@ -1182,8 +1199,58 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     Ok(())
 }
 
+/// The peak `mfu` is measured against: this machine's, or with `--launcher fake`, whose
+/// tokens/s is the whole mesh's, that of every rank's device (each as this machine).
+fn mesh_peak(
+    peak: Option<crate::peak::Peak>,
+    mesh: Option<&crate::trainer::MeshRun>,
+) -> Option<crate::peak::Peak> {
+    match mesh {
+        Some(run) if run.launch == crate::trainer::Launch::FakeRankZero => {
+            let ranks = run.mesh.world_size();
+            peak.map(|p| crate::peak::Peak {
+                gflops: p.gflops * ranks as f64,
+                source: format!("{ranks} ranks x {:.1} GFLOP/s ({})", p.gflops, p.source),
+            })
+        }
+        _ => peak,
+    }
+}
+
+/// What a mesh run runs, for the line before its steps.
+fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
+    match run.launch {
+        crate::trainer::Launch::Threads => format!(
+            "mesh {}: {} ranks as threads of this process, {} compute thread(s) each; the graph, plan and arena above are one rank's, the batch {batch} rows over all ranks",
+            run.mesh,
+            run.mesh.world_size(),
+            run.threads_per_rank,
+        ),
+        crate::trainer::Launch::FakeRankZero => format!(
+            "mesh {}: rank 0 of {} runs alone (--launcher fake) on {} thread(s); its collectives move no data, so losses are no real run's; time and memory are one rank's, and tokens/s is the mesh's global batch ({batch} rows) over one rank's step, as if communication were free",
+            run.mesh,
+            run.mesh.world_size(),
+            run.threads_per_rank,
+        ),
+    }
+}
+
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
+    if a.train.mesh.launcher == Some(Launcher::Fake) {
+        let whole = [
+            ("--checkpoint", a.checkpoint.is_some()),
+            ("--resume", a.resume.is_some()),
+            ("--init-out", a.init_out.is_some()),
+            ("--val-every", a.eval.val_every.is_some()),
+            ("--sample-tokens", a.eval.sample_tokens > 0),
+        ];
+        if let Some((flag, _)) = whole.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} needs whole tensors of a real run; with --launcher fake only rank 0 runs, on collectives that move no data"
+            ));
+        }
+    }
     let Setup {
         cfg,
         optim,
@@ -1263,13 +1330,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         t0.elapsed().as_secs_f64()
     );
     if let Some(run) = &mesh {
-        say!(
-            "mesh {}: {} ranks as threads of this process, {} compute thread(s) each; the graph, plan and arena above are one rank's, the batch {} rows over all ranks",
-            run.mesh,
-            run.mesh.world_size(),
-            run.threads_per_rank,
-            cfg.batch
-        );
+        say!("{}", describe_mesh_run(run, cfg.batch));
     }
     if let Some(path) = &a.resume {
         let ckpt = checkpoint::load(path)?;
@@ -1315,7 +1376,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         Some(path) => Some(BatchDump::create(path, cfg.batch, cfg.seq_len)?),
         None => None,
     };
-    let peak = crate::peak::peak(&a.train.backend, a.train.peak_gflops);
+    let peak = mesh_peak(
+        crate::peak::peak(&a.train.backend, a.train.peak_gflops),
+        mesh.as_ref(),
+    );
     let metrics = match &a.metrics {
         None => None,
         Some(path) => {
@@ -1517,7 +1581,10 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             &a.train.model.config,
             &a.train.backend,
         ),
-        crate::peak::peak(&a.train.backend, a.train.peak_gflops),
+        mesh_peak(
+            crate::peak::peak(&a.train.backend, a.train.peak_gflops),
+            mesh.as_ref(),
+        ),
         |m| {
             say!(
                 "step: {:>2} loss: {:.4} time: {}{}",
@@ -1584,6 +1651,12 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             mesh.as_ref().map_or(1, |m| m.threads_per_rank),
             per_rank.join(", ")
         );
+    }
+    if let Some(run) = mesh
+        .as_ref()
+        .filter(|r| r.launch != crate::trainer::Launch::Threads)
+    {
+        say!("{}", describe_mesh_run(run, trainer.model.batch));
     }
     write_json(a.json.as_deref(), &s)?;
     if let Some(path) = &a.trace_out {

@@ -14,15 +14,16 @@ use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{
-    rng, verify, DType, Graph, HostTensor, Init, InputKind, Mesh, TensorType, ValueId,
+    mesh::local_part, rng, verify, DType, Graph, HostTensor, Init, InputKind, Mesh, TensorType,
+    ValueId,
 };
 use graphtrain_lowering::{FusionLimits, Mode, Program};
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::parallelize::{parallelize, Plan};
 use graphtrain_passes::{PassRecord, Pipeline};
 use graphtrain_runtime::{
-    compile, global_type, Backend, CompileOptions, Compiled, Executor, Fingerprint, RuntimeOptions,
-    SingleRank, Timeline,
+    compile, global_type, Backend, CompileOptions, Compiled, Executor, FakeRank, Fingerprint,
+    RuntimeOptions, SingleRank, Timeline,
 };
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -117,13 +118,33 @@ fn build_from_forward(
     })
 }
 
-/// How a mesh run is laid out: the mesh, the plan that places parameters on it, and each
-/// rank's share of the cores. Every rank is a thread of this process (`--launcher threads`).
+/// How a mesh run is laid out: the mesh, the plan that places parameters on it, how its ranks
+/// run, and each rank's share of the cores.
 #[derive(Clone, Debug)]
 pub struct MeshRun {
     pub mesh: Mesh,
     pub plan: Plan,
     pub threads_per_rank: usize,
+    pub launch: Launch,
+}
+
+/// How the ranks of a mesh run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launch {
+    /// Every rank a thread of this process, collectives in shared memory (`--launcher threads`).
+    Threads,
+    /// Rank 0 alone with `FakeRank` collectives (no data moves, values no real run's): one
+    /// rank's compute time and memory on a mesh larger than the machine (`--launcher fake`).
+    /// The trainer then holds rank 0's own tensors, not global ones, and refuses to checkpoint.
+    FakeRankZero,
+}
+
+/// Where the train step runs: one device, every rank of its mesh as threads, or one rank alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ranks {
+    One,
+    Threads(usize),
+    FakeRankZero,
 }
 
 /// The SPMD train step of `model` over `mesh`, parameters placed by `plan`: the single-device
@@ -174,16 +195,19 @@ fn program_inputs(exec: &dyn Executor) -> Vec<ValueId> {
     exec.graph().inputs.iter().map(|i| i.value).collect()
 }
 
-/// Loads `compiled` on one rank, or on every rank of its mesh as threads with `threads_per_rank`
-/// each, and writes every input from `slots` (global tensors: each rank gets its part).
+/// Loads `compiled` on one rank, on every rank of its mesh as threads with `threads` each, or
+/// as rank 0 alone, and writes every input from `slots` (for threads, global tensors: each
+/// rank gets its part).
 fn load(
     compiled: Compiled,
-    threads_per_rank: Option<usize>,
+    ranks: Ranks,
     slots: &[HostTensor],
 ) -> Result<Box<dyn Executor>, TrainError> {
-    let mut exec = match threads_per_rank {
-        Some(threads) => compiled.load_ranks(threads),
-        None => compiled.load(Box::new(SingleRank)),
+    let world = compiled.graph.mesh.as_ref().map_or(1, |m| m.world_size());
+    let mut exec = match ranks {
+        Ranks::Threads(threads) => compiled.load_ranks(threads),
+        Ranks::One => compiled.load(Box::new(SingleRank)),
+        Ranks::FakeRankZero => compiled.load(Box::new(FakeRank { rank: 0, world })),
     }
     .map_err(err)?;
     write_inputs(exec.as_mut(), slots)?;
@@ -250,8 +274,8 @@ pub struct Trainer {
     cfg: TrainConfig,
     /// What `use_backend` compiles with again.
     fusion: FusionLimits,
-    /// Threads per rank when every rank of the graph's mesh runs as a thread.
-    threads_per_rank: Option<usize>,
+    /// Where the step runs.
+    ranks: Ranks,
     runtime: RuntimeOptions,
     feeds: Vec<Feed>,
     /// Current value of every input; data slots are refilled each step, carried ones are stale
@@ -334,10 +358,19 @@ values, {} as the trainer's f64 host copies, and {} is available",
                 )));
             }
         }
+        let ranks = match mesh {
+            None => Ranks::One,
+            Some(run) if run.launch == Launch::Threads => Ranks::Threads(run.threads_per_rank),
+            Some(_) => Ranks::FakeRankZero,
+        };
         let mut feeds = Vec::with_capacity(graph.inputs.len());
         let mut slots = Vec::with_capacity(graph.inputs.len());
         for input in &graph.inputs {
-            let ty = global_input_type(&graph, input);
+            // Rank 0 alone holds its own parts (initialized as if they were whole tensors).
+            let ty = match ranks {
+                Ranks::FakeRankZero => graph.ty(input.value).clone(),
+                _ => global_input_type(&graph, input),
+            };
             let feed = match (input.kind, input.name.as_str()) {
                 (InputKind::Data, "tokens") => Feed::Tokens,
                 (InputKind::Data, "targets") => Feed::Targets,
@@ -378,8 +411,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         let grad_norm_output = position("grad_norm")?;
         let rss_before_load = crate::bench::current_rss_bytes();
         let t = Instant::now();
-        let threads_per_rank = mesh.map(|m| m.threads_per_rank);
-        let exec = load(compiled, threads_per_rank, &slots)?;
+        let exec = load(compiled, ranks, &slots)?;
         timings.load = t.elapsed();
         Ok(Trainer {
             model: model.clone(),
@@ -390,7 +422,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             rss_before_load,
             cfg,
             fusion: options.fusion,
-            threads_per_rank,
+            ranks,
             runtime: options.runtime.clone(),
             feeds,
             slots,
@@ -420,7 +452,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.timings.lower = compiled.timings.lower;
         self.rss_before_load = crate::bench::current_rss_bytes();
         let t = Instant::now();
-        self.exec = load(compiled, self.threads_per_rank, &self.slots)?;
+        self.exec = load(compiled, self.ranks, &self.slots)?;
         self.timings.load = t.elapsed();
         Ok(())
     }
@@ -479,10 +511,24 @@ values, {} as the trainer's f64 host copies, and {} is available",
             )
             .map_err(|e| err(format!("step {step_no}: {e}")))?;
         let tokens = m.batch * m.seq_len;
-        for (slot, feed) in self.slots.iter_mut().zip(&self.feeds) {
+        let fake = self.ranks == Ranks::FakeRankZero;
+        let graph = &self.graph;
+        // The batch as the slot holds it: whole, or rank 0's part when it runs alone.
+        let part = |input: &graphtrain_ir::Input, ids: &[i64]| -> Result<Vec<f64>, TrainError> {
+            let data: Vec<f64> = ids.iter().map(|&t| t as f64).collect();
+            match (fake, &graph.mesh, &input.placement) {
+                (true, Some(mesh), Some(placement)) => {
+                    let whole =
+                        HostTensor::new(global_input_type(graph, input), data).map_err(err)?;
+                    Ok(local_part(&whole, placement, mesh, 0).map_err(err)?.data)
+                }
+                _ => Ok(data),
+            }
+        };
+        for ((slot, feed), input) in self.slots.iter_mut().zip(&self.feeds).zip(&graph.inputs) {
             match feed {
-                Feed::Tokens => slot.data = b.tokens.iter().map(|&t| t as f64).collect(),
-                Feed::Targets => slot.data = b.targets.iter().map(|&t| t as f64).collect(),
+                Feed::Tokens => slot.data = part(input, &b.tokens)?,
+                Feed::Targets => slot.data = part(input, &b.targets)?,
                 Feed::Lr => *slot = HostTensor::scalar(slot.ty.dtype, self.cfg.lr),
                 Feed::Step => *slot = HostTensor::scalar(slot.ty.dtype, step_no as f64),
                 Feed::Carried => {}
@@ -573,8 +619,19 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.last_batch.as_ref()
     }
 
+    /// Refuses what needs whole tensors when rank 0 runs alone.
+    fn need_whole_tensors(&self, what: &str) -> Result<(), TrainError> {
+        if self.ranks == Ranks::FakeRankZero {
+            return Err(err(format!(
+                "{what}: with --launcher fake only rank 0 runs, on collectives that move no data, so it holds no whole tensor and no real run's values"
+            )));
+        }
+        Ok(())
+    }
+
     /// Current parameters (not optimizer state), by name, in the graph's input order.
     pub fn parameters(&mut self) -> Result<Vec<(String, HostTensor)>, TrainError> {
+        self.need_whole_tensors("parameters")?;
         self.pull_slots()?;
         Ok(self
             .graph
@@ -588,6 +645,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
 
     /// Parameters, optimizer state and the step count, with `run` to identify the run.
     pub fn checkpoint(&mut self, run: RunIdentity) -> Result<Checkpoint, TrainError> {
+        self.need_whole_tensors("checkpoint")?;
         if self.poisoned {
             return Err(err(format!(
                 "a step after step {} failed on the compiled backend, which had already updated the parameters in place; the last checkpoint written is the last good state",
@@ -624,6 +682,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
     /// and state tensor with its type. The graph fingerprint may differ (another pass pipeline
     /// over the same step): state is matched by name.
     pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
+        self.need_whole_tensors("resume")?;
         if ckpt.header.run != *run {
             return Err(err(describe_mismatch(&ckpt.header.run, run)));
         }

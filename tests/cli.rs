@@ -633,6 +633,31 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
             "one wait per rank: `{l}`"
         );
     }
+    // Rank 0 of a mesh alone: it trains, says what it is, and refuses what needs whole tensors.
+    let fake = graphtrain(
+        &[
+            &base[..],
+            &["--mesh", "dp_shard=2,tp=2", "--launcher", "fake"],
+        ]
+        .concat(),
+    );
+    assert!(fake.status.success(), "{}", stderr(&fake));
+    let out = stdout(&fake);
+    assert!(
+        out.contains("rank 0 of 4 runs alone (--launcher fake)") && out.contains("no real run's"),
+        "{out}"
+    );
+    assert_eq!(step_losses(&out).len(), 3, "{out}");
+    let ckpt = temp_file("fake.safetensors", "");
+    let o = graphtrain(
+        &[
+            &base[..],
+            &["--mesh", "dp_shard=2", "--launcher", "fake", "--checkpoint"],
+            &[ckpt.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert_clean_error(&o, &["--checkpoint needs whole tensors", "--launcher fake"]);
     // Tensor (and sequence) parallelism with FSDP: the same losses to 4 decimals.
     let four = graphtrain(&[&base[..], &["--mesh", "dp_shard=2,tp=2"]].concat());
     assert!(four.status.success(), "{}", stderr(&four));

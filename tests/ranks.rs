@@ -16,7 +16,7 @@ use graphtrain::ir::{HostTensor, Mesh};
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::parallelize::Plan;
 use graphtrain::passes::{Pipeline, PipelineSpec, Registry};
-use graphtrain::trainer::{MeshRun, TrainConfig, Trainer};
+use graphtrain::trainer::{Launch, MeshRun, TrainConfig, Trainer};
 use graphtrain_lowering::Mode;
 use graphtrain_runtime::{compile, Backend, CompileOptions, RuntimeError, SingleRank};
 use std::collections::BTreeMap;
@@ -42,6 +42,7 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
             plan: Plan::llama(&mesh),
             mesh,
             threads_per_rank: 1,
+            launch: Launch::Threads,
         }
     });
     Trainer::build_on(
@@ -293,4 +294,51 @@ fn a_mesh_larger_than_the_run_is_refused_at_load() {
             .contains("mesh dp_shard=2 has 2 ranks, and the run has 1"),
         "{e}"
     );
+}
+
+/// Rank 0 alone (`--launcher fake`) runs the same rank program as on threads: the same arena;
+/// its losses are finite but no real run's, and whole tensors are refused.
+#[test]
+fn a_fake_rank_zero_runs_one_ranks_program_alone() {
+    let mesh = Mesh::parse("dp_shard=2,tp=2").unwrap();
+    let build = |launch: Launch| {
+        let run = MeshRun {
+            plan: Plan::llama(&mesh),
+            mesh: mesh.clone(),
+            threads_per_rank: 1,
+            launch,
+        };
+        Trainer::build_on(
+            &tiny(),
+            TrainConfig {
+                data: DataMode::Fixed.into(),
+                seed: 0,
+                lr: 1e-3,
+                optim: OptimConfig::default(),
+            },
+            Backend::Cpu,
+            &CompileOptions::new(&Pipeline::new(Vec::new()), Mode::Fused),
+            Some(&run),
+        )
+        .unwrap_or_else(|e| panic!("{launch:?}: {e}"))
+    };
+    let mut threads = build(Launch::Threads);
+    let mut fake = build(Launch::FakeRankZero);
+    for _ in 0..2 {
+        let (t, f) = (threads.step().unwrap(), fake.step().unwrap());
+        assert!(f.loss.is_finite() && f.grad_norm.is_finite(), "{f:?}");
+        assert_eq!(f.peak_bytes, t.peak_bytes, "one rank's arena");
+        assert!(f.wait_seconds.is_empty());
+    }
+    // Its tensors are rank 0's parts (a quarter of wq: half its rows over tp, half its columns
+    // over dp_shard), and whole ones are refused.
+    let e = fake.parameters().unwrap_err().to_string();
+    assert!(e.contains("--launcher fake"), "{e}");
+    let wq = fake.input_value("layers.0.attention.wq.weight").unwrap();
+    let whole = threads
+        .input_value("layers.0.attention.wq.weight")
+        .unwrap()
+        .ty
+        .numel();
+    assert_eq!(wq.ty.numel() * 4, whole);
 }

@@ -3,6 +3,10 @@
 //!
 //! - `SingleRank`: a run of one rank. Collectives over groups of one (a graph whose mesh has
 //!   size 1) are copies; a graph for more ranks is refused when the executor loads.
+//! - `FakeRank`: one rank of a mesh, run alone, for measuring one rank's compute and memory on
+//!   meshes far larger than the machine: each collective combines this rank's own operand in
+//!   place of every member's, so shapes, copies and sums are a real rank's and no data moves;
+//!   the values are no real run's.
 //! - `ThreadWorld::communicators`: ranks as threads of one process (`ranks.rs` runs them), each
 //!   with a communication thread (the CPU's second stream). A start posts its operand's address
 //!   to the collective's meeting and queues the collective for the communication thread, then
@@ -130,6 +134,33 @@ impl Communicator for SingleRank {
             )));
         }
         combine(&call, &[call.src]);
+        Ok(())
+    }
+
+    fn wait(&self, _id: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+/// One rank of a world of `world` ranks, run alone (see the module docs): every other member of
+/// a collective is stood in for by this rank's own operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FakeRank {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Communicator for FakeRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    unsafe fn start(&self, call: CollectiveCall) -> Result<(), RuntimeError> {
+        combine(&call, &vec![call.src; call.group.len()]);
         Ok(())
     }
 
@@ -557,6 +588,40 @@ mod tests {
         // Each rank's waits are counted.
         let _ = comms[0].take_blocked();
         assert_eq!(comms[0].take_blocked(), Duration::ZERO, "taking resets");
+    }
+
+    /// A fake rank's collectives have the real shapes, built from its own operand alone: its
+    /// all-gather repeats its block, its sums count it once per member.
+    #[test]
+    fn a_fake_rank_stands_in_for_every_member() {
+        let fake = FakeRank { rank: 1, world: 4 };
+        let src = [1.0f32, 2.0];
+        let run = |collective: Collective, dst_len: usize| {
+            let mut dst = vec![0.0f32; dst_len];
+            let call = CollectiveCall {
+                id: 0,
+                collective,
+                group: vec![0, 1, 2],
+                member: 1,
+                src: src.as_ptr(),
+                src_shape: vec![2],
+                dst: dst.as_mut_ptr(),
+                dst_len,
+            };
+            // SAFETY: `src` and `dst` outlive the call, which completes at its start.
+            unsafe { fake.start(call).unwrap() };
+            fake.wait(0).unwrap();
+            dst
+        };
+        assert_eq!(
+            run(Collective::AllGather { axis: 0 }, 6),
+            [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+        );
+        let sum = Collective::AllReduce {
+            reduce: Reduce::Sum,
+        };
+        assert_eq!(run(sum, 2), [3.0, 6.0]);
+        assert_eq!(fake.world_size(), 4);
     }
 
     #[test]
