@@ -35,7 +35,6 @@ fn trainer(mesh: Option<&str>) -> Trainer {
 }
 
 fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
-    let cfg = tiny();
     let run = mesh.map(|m| {
         let mesh = Mesh::parse(m).unwrap();
         MeshRun {
@@ -45,8 +44,13 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
             launch: Launch::Threads,
         }
     });
+    build(run.as_ref(), pipeline)
+}
+
+/// `tiny` on fixed data, on one device or as `run` says.
+fn build(run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
     Trainer::build_on(
-        &cfg,
+        &tiny(),
         TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
@@ -55,9 +59,9 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
         },
         Backend::Cpu,
         &CompileOptions::new(pipeline, Mode::Fused),
-        run.as_ref(),
+        run,
     )
-    .unwrap_or_else(|e| panic!("building on {mesh:?}: {e}"))
+    .unwrap_or_else(|e| panic!("building on {:?}: {e}", run.map(|r| r.mesh.to_string())))
 }
 
 /// Losses and gradient norms of `STEPS` steps (interleaved: AdamW would hide a gradient off by
@@ -301,29 +305,17 @@ fn a_mesh_larger_than_the_run_is_refused_at_load() {
 #[test]
 fn a_fake_rank_zero_runs_one_ranks_program_alone() {
     let mesh = Mesh::parse("dp_shard=2,tp=2").unwrap();
-    let build = |launch: Launch| {
+    let on = |launch: Launch| {
         let run = MeshRun {
             plan: Plan::llama(&mesh),
             mesh: mesh.clone(),
             threads_per_rank: 1,
             launch,
         };
-        Trainer::build_on(
-            &tiny(),
-            TrainConfig {
-                data: DataMode::Fixed.into(),
-                seed: 0,
-                lr: 1e-3,
-                optim: OptimConfig::default(),
-            },
-            Backend::Cpu,
-            &CompileOptions::new(&Pipeline::new(Vec::new()), Mode::Fused),
-            Some(&run),
-        )
-        .unwrap_or_else(|e| panic!("{launch:?}: {e}"))
+        build(Some(&run), &Pipeline::new(Vec::new()))
     };
-    let mut threads = build(Launch::Threads);
-    let mut fake = build(Launch::FakeRankZero);
+    let mut threads = on(Launch::Threads);
+    let mut fake = on(Launch::FakeRankZero);
     for _ in 0..2 {
         let (t, f) = (threads.step().unwrap(), fake.step().unwrap());
         assert!(f.loss.is_finite() && f.grad_norm.is_finite(), "{f:?}");

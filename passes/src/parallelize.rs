@@ -513,40 +513,27 @@ fn localize(
                 weight[o.index()] = true;
             }
         }
+        let mut apply = |stage: Redistribute, ins: &mut Vec<(ValueId, Placements)>| {
+            let operands = Operands {
+                g: &mut g,
+                mesh,
+                ins,
+                is_param: &is_param,
+                done: &mut redistributed,
+                meta: &node.meta,
+                pins,
+            };
+            redistribute(stage, operands).map_err(|e| at(e.to_string()))
+        };
         if let Some(pin) = pins.iter().position(|p| glob(&p.module, &node.meta.module)) {
-            redistribute(
-                Redistribute::Pinned(pin),
-                Operands {
-                    g: &mut g,
-                    mesh,
-                    ins: &mut ins,
-                    is_param: &is_param,
-                    done: &mut redistributed,
-                    meta: &node.meta,
-                    pins,
-                },
-            )
-            .map_err(|e| at(e.to_string()))?;
+            apply(Redistribute::Pinned(pin), &mut ins)?;
         }
         let mut outs = rule(&ins);
         for stage in [Redistribute::Partials, Redistribute::SequenceShards] {
             if outs.is_ok() {
                 break;
             }
-            let changed = redistribute(
-                stage,
-                Operands {
-                    g: &mut g,
-                    mesh,
-                    ins: &mut ins,
-                    is_param: &is_param,
-                    done: &mut redistributed,
-                    meta: &node.meta,
-                    pins,
-                },
-            )
-            .map_err(|e| at(e.to_string()))?;
-            if changed {
+            if apply(stage, &mut ins)? {
                 outs = rule(&ins);
             }
         }
