@@ -3,11 +3,13 @@
 # - Debian's LLVM 22, and a stand-in for the LLVM bundle tracel-llvm-bundler (23.1.0-4, used by
 #   cubecl-cpu 0.11.x) would download from GitHub, so the cpu backend builds offline;
 # - Mesa's lavapipe (a Vulkan driver on the CPU) and the Vulkan loader, so the wgpu backend runs
-#   on a machine without a GPU.
+#   on a machine without a GPU;
+# - OpenMPI (mpirun and its headers) and libclang, which the `mpi` crate's bindings are generated
+#   with, for ranks as processes (`--launcher mpi`).
 # Usage:  eval "$(sh scripts/setup.sh)"   (prints the XDG_DATA_HOME the build must see, and an
 # XDG_RUNTIME_DIR, which Vulkan's loader wants to exist)
 set -eu
-PKGS="llvm-22-dev libpolly-22-dev libzstd-dev mesa-vulkan-drivers libvulkan1"
+PKGS="llvm-22-dev libpolly-22-dev libzstd-dev mesa-vulkan-drivers libvulkan1 openmpi-bin libopenmpi-dev libclang-dev"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

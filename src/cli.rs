@@ -42,6 +42,9 @@ macro_rules! say_raw {
 #[doc(hidden)]
 pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     use std::io::Write;
+    if !speaks_for_the_job() {
+        return;
+    }
     let mut out = std::io::stdout().lock();
     if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
@@ -488,6 +491,10 @@ pub enum Launcher {
     /// machine: collectives move no data (each uses this rank's operand for every member's), so
     /// the losses are no real run's, and nothing is checkpointed.
     Fake,
+    /// This process is one rank of an MPI job (`mpirun -np N graphtrain ... --launcher mpi`):
+    /// collectives over MPI, bitwise the threads launcher's results; rank 0 prints and writes
+    /// files.
+    Mpi,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -511,9 +518,11 @@ pub struct MeshArgs {
     /// least one).
     #[arg(long, requires = "mesh")]
     pub threads_per_rank: Option<usize>,
-    /// How the ranks start: `threads` (every rank a thread of this process, the default) or
-    /// `fake` (rank 0 alone with collectives that move no data: one rank's step time and memory
-    /// on a mesh far larger than this machine; its losses are no real run's).
+    /// How the ranks start: `threads` (every rank a thread of this process, the default), `mpi`
+    /// (this process is one rank of an MPI job started by mpirun or srun; its world size must
+    /// be the mesh's) or `fake` (rank 0 alone with collectives that move no data: one rank's
+    /// step time and memory on a mesh far larger than this machine; its losses are no real
+    /// run's).
     #[arg(long, value_enum, requires = "mesh")]
     pub launcher: Option<Launcher>,
 }
@@ -529,6 +538,11 @@ impl MeshArgs {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let launch = match self.launcher {
             Some(Launcher::Fake) => crate::trainer::Launch::FakeRankZero,
+            Some(Launcher::Mpi) => {
+                let rank = crate::trainer::mpi_rank().map_err(|e| e.to_string())?;
+                let _ = MPI_RANK.set(rank);
+                crate::trainer::Launch::Mpi
+            }
             Some(Launcher::Threads) | None => crate::trainer::Launch::Threads,
         };
         let threads_per_rank = match (self.threads_per_rank, launch) {
@@ -539,6 +553,14 @@ impl MeshArgs {
                 )
             }
             (None, crate::trainer::Launch::FakeRankZero) => cores,
+            // The cores shared among this machine's ranks of the job (OpenMPI says how many).
+            (None, crate::trainer::Launch::Mpi) => {
+                let local = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+                    .ok()
+                    .and_then(|s| s.parse::<usize>().ok())
+                    .unwrap_or(1);
+                (cores / local.max(1)).max(1)
+            }
             (Some(0), _) => return Err("--threads-per-rank must be at least 1".into()),
             (Some(n), _) => n,
             (None, _) => (cores / mesh.world_size()).max(1),
@@ -951,12 +973,44 @@ where
         .with_writer(std::io::stderr)
         .try_init();
     match run_command(cli.command, &registry) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+        Ok(()) => {
+            // An MPI rank finalizes MPI before it exits, or `mpirun` counts it as failed.
+            #[cfg(feature = "mpi")]
+            graphtrain_runtime::mpi_comm::finish();
+            ExitCode::SUCCESS
         }
+        Err(e) => match mpi_rank_of_this_process() {
+            Some(rank) => {
+                // Its MPI thread may be blocked in a collective with a stuck rank: leave
+                // without finalizing, which makes `mpirun` end every rank of the job.
+                eprintln!("error: rank {rank}: {e}");
+                std::process::exit(1)
+            }
+            None => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
+}
+
+/// This process's rank when it runs as one rank of an MPI job (`--launcher mpi`).
+static MPI_RANK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+fn mpi_rank_of_this_process() -> Option<usize> {
+    MPI_RANK.get().copied()
+}
+
+/// Whether a progress bar may be drawn (on a terminal): not in an MPI job, whose launcher
+/// gives every rank a terminal and interleaves them.
+pub(crate) fn draws_progress() -> bool {
+    mpi_rank_of_this_process().is_none()
+}
+
+/// Whether this process writes files and prints step lines: always, except on the ranks other
+/// than 0 of an MPI job (rank 0 speaks for the job).
+pub(crate) fn speaks_for_the_job() -> bool {
+    mpi_rank_of_this_process().is_none_or(|r| r == 0)
 }
 
 /// Runs one parsed command.
@@ -1226,6 +1280,12 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
             run.mesh.world_size(),
             run.threads_per_rank,
         ),
+        crate::trainer::Launch::Mpi => format!(
+            "mesh {}: {} ranks as processes of an MPI job, {} compute thread(s) each; the graph, plan and arena above are one rank's, the batch {batch} rows over all ranks",
+            run.mesh,
+            run.mesh.world_size(),
+            run.threads_per_rank,
+        ),
         crate::trainer::Launch::FakeRankZero => format!(
             "mesh {}: rank 0 of {} runs alone (--launcher fake) on {} thread(s); its collectives move no data, so losses are no real run's; time and memory are one rank's, and tokens/s is the mesh's global batch ({batch} rows) over one rank's step, as if communication were free",
             run.mesh,
@@ -1237,6 +1297,20 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
+    if a.train.mesh.launcher == Some(Launcher::Mpi) {
+        let not_yet = [
+            ("--init-out", a.init_out.is_some()),
+            ("--dump-batches", a.dump_batches.is_some()),
+            ("--trace-out", a.trace.trace_out.is_some()),
+            ("--val-every", a.eval.val_every.is_some()),
+            ("--sample-tokens", a.eval.sample_tokens > 0),
+        ];
+        if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume and --metrics are)"
+            ));
+        }
+    }
     if a.train.mesh.launcher == Some(Launcher::Fake) {
         let whole = [
             ("--checkpoint", a.checkpoint.is_some()),
@@ -1362,6 +1436,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                         .extra
                         .insert(TOKENIZER_KEY.to_string(), json.clone());
                 }
+                // Every MPI rank gathers the whole tensors (a collective); rank 0 writes them.
+                if !speaks_for_the_job() {
+                    return Ok(());
+                }
                 checkpoint::save(path, &ckpt)
             }
             None => Ok(()),
@@ -1380,7 +1458,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         crate::peak::peak(&a.train.backend, a.train.peak_gflops),
         mesh.as_ref(),
     );
-    let metrics = match &a.metrics {
+    let metrics = match a.metrics.as_ref().filter(|_| speaks_for_the_job()) {
         None => None,
         Some(path) => {
             let config = run_config_json(&a, &cfg, &optim);
@@ -1408,8 +1486,13 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             Ok(m) => m,
             Err(e) => {
                 report.finish();
-                // The failed step's update was not kept: save what came before it.
-                if let Some(path) = &a.checkpoint {
+                // The failed step's update was not kept: save what came before it. Not in an MPI
+                // job: gathering needs every rank, and the others may be stopped already.
+                if let Some(path) = a
+                    .checkpoint
+                    .as_ref()
+                    .filter(|_| mpi_rank_of_this_process().is_none())
+                {
                     match save(&mut trainer) {
                         Ok(()) => eprintln!(
                             "saved the state after step {} to {}",
@@ -1554,6 +1637,13 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mesh,
         ..
     } = a.train.setup(registry)?;
+    if a.trace_out.is_some()
+        && mesh
+            .as_ref()
+            .is_some_and(|m| m.launch == crate::trainer::Launch::Mpi)
+    {
+        return Err("--trace-out is not supported with --launcher mpi yet".into());
+    }
     if a.trace_out.is_some() && !trainer.record_timeline(false) {
         return Err(format!(
             "--trace-out: backend `{}` records no timeline (the interpreter runs graph nodes, not Program steps); use a compiled backend such as cpu",
@@ -1682,7 +1772,9 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
 
 /// Writes a bench summary as JSON to `--json`'s file, when one was given.
 fn write_json(path: Option<&Path>, summary: &impl serde::Serialize) -> Result<(), String> {
-    let Some(path) = path else { return Ok(()) };
+    let Some(path) = path.filter(|_| speaks_for_the_job()) else {
+        return Ok(());
+    };
     let body = serde_json::to_string_pretty(summary)
         .map_err(|e| format!("cannot encode the summary: {e}"))?;
     std::fs::write(path, body).map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;

@@ -59,17 +59,21 @@ impl StepReport {
                 );
             }
         }
-        let bar = (std::io::stdout().is_terminal() && last_step >= first).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(last_step), ProgressDrawTarget::stdout());
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{bar:40} {pos}/{len} steps  {elapsed} elapsed, eta {eta}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
-            bar.set_position(first - 1);
-            bar
-        });
+        let bar = (crate::cli::draws_progress()
+            && std::io::stdout().is_terminal()
+            && last_step >= first)
+            .then(|| {
+                let bar =
+                    ProgressBar::with_draw_target(Some(last_step), ProgressDrawTarget::stdout());
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{bar:40} {pos}/{len} steps  {elapsed} elapsed, eta {eta}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                bar.set_position(first - 1);
+                bar
+            });
         Ok(StepReport {
             flops_per_token,
             lr,

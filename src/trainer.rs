@@ -137,14 +137,85 @@ pub enum Launch {
     /// rank's compute time and memory on a mesh larger than the machine (`--launcher fake`).
     /// The trainer then holds rank 0's own tensors, not global ones, and refuses to checkpoint.
     FakeRankZero,
+    /// This process is one rank of an MPI job (`mpirun ... --launcher mpi`): it holds its own
+    /// parts, initialized as the threads engine's (whole tensors, then its part), so that a run
+    /// is bitwise the threads engine's; whole tensors (parameters, checkpoints) are gathered
+    /// from every rank, which makes those calls collective: every rank must make them.
+    Mpi,
 }
 
-/// Where the train step runs: one device, every rank of its mesh as threads, or one rank alone.
+/// Where the train step runs: one device, every rank of its mesh as threads, one rank alone, or
+/// this process's rank of an MPI job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ranks {
     One,
     Threads(usize),
     FakeRankZero,
+    Mpi { rank: usize },
+}
+
+impl Ranks {
+    /// The rank whose parts the trainer holds, when it holds one rank's parts.
+    fn held_rank(self) -> Option<usize> {
+        match self {
+            Ranks::FakeRankZero => Some(0),
+            Ranks::Mpi { rank } => Some(rank),
+            Ranks::One | Ranks::Threads(_) => None,
+        }
+    }
+}
+
+/// This process's rank of its MPI job, starting MPI on first use.
+#[cfg(feature = "mpi")]
+pub fn mpi_rank() -> Result<usize, TrainError> {
+    graphtrain_runtime::mpi_comm::world()
+        .map(|w| w.rank())
+        .map_err(err)
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn mpi_rank() -> Result<usize, TrainError> {
+    Err(err(
+        "--launcher mpi: this graphtrain was built without MPI (the `mpi` feature)",
+    ))
+}
+
+/// Every rank's `bytes`, in rank order (a collective over the MPI job).
+#[cfg(feature = "mpi")]
+fn mpi_all_gather(bytes: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
+    graphtrain_runtime::mpi_comm::world()
+        .and_then(|w| w.all_gather_bytes(bytes))
+        .map_err(err)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_all_gather(_: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
+    mpi_rank().map(|_| Vec::new())
+}
+
+/// The communicator of this process's rank of its MPI job.
+#[cfg(feature = "mpi")]
+fn mpi_communicator() -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
+    let world = graphtrain_runtime::mpi_comm::world().map_err(err)?;
+    Ok(Box::new(world.communicator()))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_communicator() -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
+    mpi_rank().map(|_| unreachable!("mpi_rank fails without the feature"))
+}
+
+/// `t`'s values as little-endian f64 bytes, and back.
+fn to_bytes(t: &HostTensor) -> Vec<u8> {
+    t.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn from_bytes(ty: TensorType, bytes: &[u8]) -> Result<HostTensor, TrainError> {
+    let data = bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    HostTensor::new(ty, data).map_err(err)
 }
 
 /// The SPMD train step of `model` over `mesh`, parameters placed by `plan`: the single-device
@@ -181,6 +252,40 @@ fn check_heads_split(model: &Llama3Config, mesh: &Mesh) -> Result<(), TrainError
     Ok(())
 }
 
+/// Stops every rank of an MPI job before its first step unless all built the same thing: the
+/// compiled graph's fingerprint, the model, the training config, the mesh and the plan.
+fn agree_across_ranks(
+    fingerprint: &str,
+    model: &Llama3Config,
+    cfg: &TrainConfig,
+    run: &MeshRun,
+) -> Result<(), TrainError> {
+    let mine = format!(
+        "graph {fingerprint}; model {model:?}; seed {} lr {} optim {:?} data {:?}; mesh {}; plan {}",
+        cfg.seed,
+        cfg.lr,
+        cfg.optim,
+        cfg.data,
+        run.mesh,
+        run.plan.to_ron()
+    );
+    let all = mpi_all_gather(mine.into_bytes())?;
+    let differ: Vec<usize> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, theirs)| theirs.as_slice() != all[0].as_slice())
+        .map(|(r, _)| r)
+        .collect();
+    let Some(&first) = differ.first() else {
+        return Ok(());
+    };
+    Err(err(format!(
+        "--launcher mpi: rank(s) {differ:?} built another train step than rank 0 (rank 0: {}; rank {first}: {}); stopping before step 1",
+        String::from_utf8_lossy(&all[0]),
+        String::from_utf8_lossy(&all[first]),
+    )))
+}
+
 /// Writes every graph input from `slots`. The executor's graph has the trainer's inputs in the
 /// same order, but its own value ids (a compiled backend runs the legalized graph).
 fn write_inputs(exec: &mut dyn Executor, slots: &[HostTensor]) -> Result<(), TrainError> {
@@ -208,6 +313,7 @@ fn load(
         Ranks::Threads(threads) => compiled.load_ranks(threads),
         Ranks::One => compiled.load(Box::new(SingleRank)),
         Ranks::FakeRankZero => compiled.load(Box::new(FakeRank { rank: 0, world })),
+        Ranks::Mpi { .. } => compiled.load(mpi_communicator()?),
     }
     .map_err(err)?;
     write_inputs(exec.as_mut(), slots)?;
@@ -358,18 +464,37 @@ values, {} as the trainer's f64 host copies, and {} is available",
                 )));
             }
         }
-        let ranks = match mesh {
+        let ranks = match mesh.map(|m| m.launch) {
             None => Ranks::One,
-            Some(run) if run.launch == Launch::Threads => Ranks::Threads(run.threads_per_rank),
-            Some(_) => Ranks::FakeRankZero,
+            Some(Launch::Threads) => Ranks::Threads(mesh.expect("a mesh").threads_per_rank),
+            Some(Launch::FakeRankZero) => Ranks::FakeRankZero,
+            Some(Launch::Mpi) => {
+                let rank = mpi_rank()?;
+                // This process's compute threads: the rank's share of its machine's cores.
+                let threads = mesh.expect("a mesh").threads_per_rank;
+                graphtrain_runtime::cpu::pool::Pool::for_rank(rank, threads).use_on_this_thread();
+                Ranks::Mpi { rank }
+            }
         };
+        if let (Ranks::Mpi { .. }, Some(run)) = (ranks, mesh) {
+            agree_across_ranks(&fingerprint.to_string(), model, &cfg, run)?;
+        }
         let mut feeds = Vec::with_capacity(graph.inputs.len());
         let mut slots = Vec::with_capacity(graph.inputs.len());
         for input in &graph.inputs {
-            // Rank 0 alone holds its own parts (initialized as if they were whole tensors).
+            // Rank 0 alone holds its own parts (initialized as if they were whole tensors); an
+            // MPI rank initializes whole tensors, as the threads engine, and keeps its part.
             let ty = match ranks {
                 Ranks::FakeRankZero => graph.ty(input.value).clone(),
                 _ => global_input_type(&graph, input),
+            };
+            let keep_part = |t: HostTensor| -> Result<HostTensor, TrainError> {
+                match (ranks, &graph.mesh, &input.placement) {
+                    (Ranks::Mpi { rank }, Some(mesh), Some(p)) => {
+                        local_part(&t, p, mesh, rank).map_err(err)
+                    }
+                    _ => Ok(t),
+                }
             };
             let feed = match (input.kind, input.name.as_str()) {
                 (InputKind::Data, "tokens") => Feed::Tokens,
@@ -398,7 +523,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
                 _ => HostTensor::zeros(ty),
             };
             feeds.push(feed);
-            slots.push(value);
+            slots.push(keep_part(value)?);
         }
         let position = |name: &str| {
             graph
@@ -511,16 +636,16 @@ values, {} as the trainer's f64 host copies, and {} is available",
             )
             .map_err(|e| err(format!("step {step_no}: {e}")))?;
         let tokens = m.batch * m.seq_len;
-        let fake = self.ranks == Ranks::FakeRankZero;
+        let held = self.ranks.held_rank();
         let graph = &self.graph;
-        // The batch as the slot holds it: whole, or rank 0's part when it runs alone.
+        // The batch as the slot holds it: whole, or the held rank's part.
         let part = |input: &graphtrain_ir::Input, ids: &[i64]| -> Result<Vec<f64>, TrainError> {
             let data: Vec<f64> = ids.iter().map(|&t| t as f64).collect();
-            match (fake, &graph.mesh, &input.placement) {
-                (true, Some(mesh), Some(placement)) => {
+            match (held, &graph.mesh, &input.placement) {
+                (Some(rank), Some(mesh), Some(placement)) => {
                     let whole =
                         HostTensor::new(global_input_type(graph, input), data).map_err(err)?;
-                    Ok(local_part(&whole, placement, mesh, 0).map_err(err)?.data)
+                    Ok(local_part(&whole, placement, mesh, rank).map_err(err)?.data)
                 }
                 _ => Ok(data),
             }
@@ -629,18 +754,35 @@ values, {} as the trainer's f64 host copies, and {} is available",
         Ok(())
     }
 
+    /// The whole tensor of input `i` from its slot: the slot itself, or on an MPI rank every
+    /// rank's part gathered and assembled (a collective: every rank must call it).
+    fn whole(&self, i: usize) -> Result<HostTensor, TrainError> {
+        let slot = &self.slots[i];
+        let input = &self.graph.inputs[i];
+        match (self.ranks, &self.graph.mesh, &input.placement) {
+            (Ranks::Mpi { .. }, Some(mesh), Some(placement)) => {
+                let parts = mpi_all_gather(to_bytes(slot))?
+                    .iter()
+                    .map(|b| from_bytes(slot.ty.clone(), b))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let refs: Vec<&HostTensor> = parts.iter().collect();
+                graphtrain_ir::mesh::assemble(&refs, placement, mesh).map_err(err)
+            }
+            _ => Ok(slot.clone()),
+        }
+    }
+
     /// Current parameters (not optimizer state), by name, in the graph's input order.
     pub fn parameters(&mut self) -> Result<Vec<(String, HostTensor)>, TrainError> {
         self.need_whole_tensors("parameters")?;
         self.pull_slots()?;
-        Ok(self
-            .graph
-            .inputs
-            .iter()
-            .zip(&self.slots)
-            .filter(|(input, _)| input.kind == InputKind::Param)
-            .map(|(input, slot)| (input.name.clone(), slot.clone()))
-            .collect())
+        let mut out = Vec::new();
+        for (i, input) in self.graph.inputs.iter().enumerate() {
+            if input.kind == InputKind::Param {
+                out.push((input.name.clone(), self.whole(i)?));
+            }
+        }
+        Ok(out)
     }
 
     /// Parameters, optimizer state and the step count, with `run` to identify the run.
@@ -655,13 +797,14 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.pull_slots()?;
         let mut entries = Vec::new();
         let mut tensors = Vec::new();
-        for ((input, slot), feed) in self.graph.inputs.iter().zip(&self.slots).zip(&self.feeds) {
+        for (i, (input, feed)) in self.graph.inputs.iter().zip(&self.feeds).enumerate() {
             if matches!(feed, Feed::Carried) {
+                let whole = self.whole(i)?;
                 entries.push(TensorEntry {
                     name: input.name.clone(),
-                    ty: slot.ty.clone(),
+                    ty: whole.ty.clone(),
                 });
-                tensors.push(slot.clone());
+                tensors.push(whole);
             }
         }
         Ok(Checkpoint {
@@ -713,13 +856,19 @@ step, so it cannot resume the data there",
             let value = by_name
                 .remove(&input.name)
                 .ok_or_else(|| err(format!("the checkpoint has no tensor `{}`", input.name)))?;
-            if value.ty != slot.ty {
+            let want = global_input_type(&self.graph, input);
+            if value.ty != want {
                 return Err(err(format!(
                     "checkpoint tensor `{}` is {}, the train step needs {}",
-                    input.name, value.ty, slot.ty
+                    input.name, value.ty, want
                 )));
             }
-            *slot = value;
+            *slot = match (self.ranks, &self.graph.mesh, &input.placement) {
+                (Ranks::Mpi { rank }, Some(mesh), Some(p)) => {
+                    local_part(&value, p, mesh, rank).map_err(err)?
+                }
+                _ => value,
+            };
         }
         if let Some(extra) = by_name.keys().next() {
             return Err(err(format!(

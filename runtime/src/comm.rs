@@ -40,6 +40,8 @@ pub struct CollectiveCall {
     /// Names the collective between its start and its wait (the handle's value id).
     pub id: usize,
     pub collective: Collective,
+    /// The mesh dimensions the group spans (ranks that differ only along them).
+    pub mesh_dims: Vec<usize>,
     /// The group's ranks, in group order (`graphtrain_ir::Mesh::group`).
     pub group: Vec<usize>,
     /// This rank's position in `group`.
@@ -75,6 +77,7 @@ impl CollectiveCall {
         Ok(CollectiveCall {
             id: handle.0.index(),
             collective,
+            mesh_dims: mesh_dims.to_vec(),
             group: mesh.group(rank, mesh_dims),
             member: mesh.group_index(rank, mesh_dims),
             src: src.1,
@@ -449,7 +452,7 @@ fn member_index(call: &CollectiveCall, rank: usize) -> Result<usize, RuntimeErro
 /// # Safety
 /// Every operand must point to `src_shape`'s element count of f32, and `dst` to `dst_len`
 /// writable f32 that no operand overlaps.
-unsafe fn combine(call: &CollectiveCall, operands: &[*const f32]) {
+pub(crate) unsafe fn combine(call: &CollectiveCall, operands: &[*const f32]) {
     let numel: usize = call.src_shape.iter().product();
     let members: Vec<&[f32]> = operands
         .iter()
@@ -555,6 +558,7 @@ mod tests {
                 axis: 0,
                 reduce: Reduce::Sum,
             },
+            mesh_dims: vec![0],
             group: vec![0, 1],
             member: rank,
             src: src[rank].as_ptr(),
@@ -601,6 +605,7 @@ mod tests {
             let call = CollectiveCall {
                 id: 0,
                 collective,
+                mesh_dims: vec![0],
                 group: vec![0, 1, 2],
                 member: 1,
                 src: src.as_ptr(),

@@ -24,6 +24,8 @@ pub mod comm;
 pub mod compile;
 pub mod cpu;
 pub mod device;
+#[cfg(feature = "mpi")]
+pub mod mpi_comm;
 pub mod options;
 pub mod ranks;
 pub mod reference;

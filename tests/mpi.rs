@@ -1,0 +1,233 @@
+//! Ranks as processes: `mpirun --oversubscribe -np N graphtrain run ... --launcher mpi` against
+//! the threads launcher on the same mesh (`tiny`, fixed data, 5 steps): the same losses and
+//! every parameter and AdamW tensor of the checkpoint bit for bit, on `dp_shard=2`, `tp=2` and
+//! `dp_shard=2,tp=2`. A rank stopped with SIGSTOP makes the other stop within the collective
+//! timeout, naming the collective and writing its last collectives; ranks started with
+//! different configs are refused before step 1.
+//!
+//! These need OpenMPI's `mpirun` (scripts/setup.sh installs it) and run as root only with
+//! OpenMPI's consent variables, which the tests set.
+#![cfg(feature = "mpi")]
+
+use graphtrain::checkpoint;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_graphtrain");
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("graphtrain-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `mpirun` with OpenMPI's consent to run as root and to put more ranks than cores.
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-np", &np.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    c
+}
+
+fn output(mut c: Command) -> Output {
+    c.output()
+        .unwrap_or_else(|e| panic!("cannot start {c:?}: {e} (scripts/setup.sh installs OpenMPI)"))
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The `step:` lines' losses and gradient norms, as printed.
+fn step_lines(out: &str) -> Vec<String> {
+    out.lines()
+        .filter_map(|l| l.split("step:").nth(1))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            format!("{} {} {}", words[0], words[2], words[4])
+        })
+        .collect()
+}
+
+fn run_args<'a>(mesh: &'a str, ckpt: &'a Path) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--config",
+        "tiny",
+        "--data",
+        "fixed",
+        "--steps",
+        "5",
+        "--mesh",
+        mesh,
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+    ]
+}
+
+#[test]
+fn mpi_ranks_train_bitwise_as_the_threads_engine() {
+    let dir = scratch("bitwise");
+    for (mesh, np) in [("dp_shard=2", 2), ("tp=2", 2), ("dp_shard=2,tp=2", 4)] {
+        let threads_ckpt = dir.join(format!("{mesh}-threads.safetensors"));
+        let mpi_ckpt = dir.join(format!("{mesh}-mpi.safetensors"));
+        let threads = output({
+            let mut c = Command::new(BIN);
+            c.args(run_args(mesh, &threads_ckpt))
+                .args(["--threads-per-rank", "1"]);
+            c
+        });
+        assert!(threads.status.success(), "{}", text(&threads.stderr));
+        let mpi = output({
+            let mut c = mpirun(np);
+            c.arg(BIN)
+                .args(run_args(mesh, &mpi_ckpt))
+                .args(["--launcher", "mpi"]);
+            c
+        });
+        assert!(
+            mpi.status.success(),
+            "{mesh}: {}\n{}",
+            text(&mpi.stdout),
+            text(&mpi.stderr)
+        );
+        let (a, b) = (
+            step_lines(&text(&threads.stdout)),
+            step_lines(&text(&mpi.stdout)),
+        );
+        assert_eq!(a.len(), 5, "{mesh}: {}", text(&threads.stdout));
+        // Rank 0 alone prints: five lines, not five per rank.
+        assert_eq!(a, b, "{mesh}: the step lines differ");
+        let (ta, tb) = (
+            checkpoint::load(&threads_ckpt).unwrap(),
+            checkpoint::load(&mpi_ckpt).unwrap(),
+        );
+        assert_eq!(ta.header.tensors, tb.header.tensors, "{mesh}");
+        for ((entry, x), y) in ta.header.tensors.iter().zip(&ta.tensors).zip(&tb.tensors) {
+            let bits = |t: &graphtrain::ir::HostTensor| {
+                t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            assert!(bits(x) == bits(y), "{mesh}: `{}` differs", entry.name);
+        }
+    }
+}
+
+#[test]
+fn ranks_built_differently_are_refused_before_step_one() {
+    let dir = scratch("agree");
+    let ckpt = dir.join("c.safetensors");
+    let mut c = mpirun(1);
+    c.arg(BIN)
+        .args(run_args("dp_shard=2", &ckpt))
+        .args(["--launcher", "mpi", "--lr", "0.001"])
+        .args([":", "-np", "1", BIN])
+        .args(run_args("dp_shard=2", &ckpt))
+        .args(["--launcher", "mpi", "--lr", "0.002"]);
+    let o = output(c);
+    assert!(!o.status.success(), "{}", text(&o.stdout));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("rank(s) [1] built another train step than rank 0")
+            && err.contains("stopping before step 1"),
+        "{err}"
+    );
+    assert!(!text(&o.stdout).contains("step:"), "{}", text(&o.stdout));
+    assert!(!ckpt.exists(), "nothing is written");
+}
+
+/// The pids of the job's `graphtrain` processes, by MPI rank.
+fn rank_pids() -> Vec<(usize, u32)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if !text(&cmd).starts_with(BIN) {
+            continue;
+        }
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let rank = text(&env)
+            .split('\0')
+            .find_map(|v| v.strip_prefix("OMPI_COMM_WORLD_RANK="))
+            .and_then(|r| r.parse().ok());
+        if let Some(rank) = rank {
+            out.push((rank, pid));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
+    let dir = scratch("stuck");
+    let mut c = mpirun(2);
+    c.arg(BIN)
+        .args([
+            "run",
+            "--config",
+            "tiny",
+            "--data",
+            "fixed",
+            "--steps",
+            "1000000",
+            "--mesh",
+            "dp_shard=2",
+            "--launcher",
+            "mpi",
+        ])
+        .env("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S", "3")
+        .env("GRAPHTRAIN_FLIGHT_DIR", &dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut job = c.spawn().expect("mpirun starts");
+    // Wait until both ranks run, then stop rank 1 mid-training.
+    let t = Instant::now();
+    let victim = loop {
+        let pids = rank_pids();
+        if let Some(&(_, pid)) = pids.iter().find(|(r, _)| *r == 1) {
+            if pids.len() == 2 {
+                std::thread::sleep(Duration::from_secs(2));
+                break pid;
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stopped = Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let stopped_at = Instant::now();
+    let out = job.wait_with_output().unwrap();
+    let waited = stopped_at.elapsed();
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        waited < Duration::from_secs(30),
+        "the job took {waited:?} to end"
+    );
+    assert!(
+        err.contains("error: rank 0:")
+            && err.contains("did not finish within 3 s")
+            && err.contains("collective #"),
+        "{err}"
+    );
+    let record = std::fs::read_to_string(dir.join("graphtrain-rank0-collectives.txt"))
+        .unwrap_or_else(|e| panic!("no flight record: {e}\n{err}"));
+    assert!(
+        record.lines().last().unwrap().ends_with("not finished"),
+        "{record}"
+    );
+}
