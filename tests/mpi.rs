@@ -187,7 +187,7 @@ fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
         .env("GRAPHTRAIN_FLIGHT_DIR", &dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    let mut job = c.spawn().expect("mpirun starts");
+    let job = c.spawn().expect("mpirun starts");
     // Wait until both ranks run, then stop rank 1 mid-training.
     let t = Instant::now();
     let victim = loop {
@@ -230,4 +230,65 @@ fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
         record.lines().last().unwrap().ends_with("not finished"),
         "{record}"
     );
+}
+
+/// Checkpoints hold whole tensors, so they move between launchers and meshes: one device's
+/// after 3 steps resumes on 2 MPI ranks (`dp_shard=2`), and that run's after 5 resumes on 4
+/// threads (`dp_shard=2,tp=2`); every step line matches the uninterrupted one-device run.
+#[test]
+fn checkpoints_resume_across_launchers_and_meshes() {
+    let dir = scratch("resume");
+    let one = dir.join("one.safetensors");
+    let base = |steps: &'static str| {
+        vec![
+            "run", "--config", "tiny", "--data", "fixed", "--steps", steps,
+        ]
+    };
+    let whole = output({
+        let mut c = Command::new(BIN);
+        c.args(base("7"));
+        c
+    });
+    assert!(whole.status.success(), "{}", text(&whole.stderr));
+    let want = step_lines(&text(&whole.stdout));
+    assert_eq!(want.len(), 7);
+    let first = output({
+        let mut c = Command::new(BIN);
+        c.args(base("3"))
+            .args(["--checkpoint", one.to_str().unwrap()]);
+        c
+    });
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let mpi_ckpt = dir.join("mpi.safetensors");
+    let second = output({
+        let mut c = mpirun(2);
+        c.arg(BIN).args(base("5")).args([
+            "--mesh",
+            "dp_shard=2",
+            "--launcher",
+            "mpi",
+            "--resume",
+            one.to_str().unwrap(),
+            "--checkpoint",
+            mpi_ckpt.to_str().unwrap(),
+        ]);
+        c
+    });
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let third = output({
+        let mut c = Command::new(BIN);
+        c.args(base("7")).args([
+            "--mesh",
+            "dp_shard=2,tp=2",
+            "--resume",
+            mpi_ckpt.to_str().unwrap(),
+        ]);
+        c
+    });
+    assert!(third.status.success(), "{}", text(&third.stderr));
+    let got: Vec<String> = [&first, &second, &third]
+        .iter()
+        .flat_map(|o| step_lines(&text(&o.stdout)))
+        .collect();
+    assert_eq!(got, want, "resumed across launchers and meshes");
 }

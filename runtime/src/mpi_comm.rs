@@ -238,7 +238,8 @@ fn gather_bytes(world: &SimpleCommunicator, bytes: &[u8]) -> Vec<Vec<u8>> {
 /// An executor's communicator in an MPI job: collectives run on the MPI thread in start order.
 pub struct MpiComm {
     world: &'static MpiWorld,
-    pending: Mutex<HashMap<usize, (usize, String, Receiver<Result<(), String>>)>>,
+    /// Started collectives by id: sequence number, description, and where the result comes.
+    pending: Mutex<HashMap<usize, Pending>>,
     blocked: Mutex<Duration>,
     /// Collectives started so far: the sequence number of the next.
     started: Mutex<usize>,
@@ -247,6 +248,8 @@ pub struct MpiComm {
     history: Mutex<VecDeque<Record>>,
     epoch: Instant,
 }
+
+type Pending = (usize, String, Receiver<Result<(), String>>);
 
 /// How many collectives the flight record keeps.
 const HISTORY: usize = 256;
