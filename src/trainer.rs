@@ -5,10 +5,13 @@
 //! inputs there); the trainer reads them back only for checkpoints and inspection.
 //!
 //! On a mesh (`Trainer::build_on` with a `MeshRun`) the step is the SPMD step of
-//! `parallelize`, run by every rank as a thread (`Compiled::load_ranks`). The trainer still
-//! holds global tensors: it initializes parameters as on one device, the ranks' executor gives
-//! each rank its part and assembles what is read back, so checkpoints and samples are the same
-//! as one device's.
+//! `parallelize`. With `Launch::Threads` every rank is a thread (`Compiled::load_ranks`) and the
+//! trainer still holds global tensors: it initializes parameters as on one device, the ranks'
+//! executor gives each rank its part and assembles what is read back, so checkpoints and
+//! samples are the same as one device's. With `Launch::Mpi` this process is one rank: it
+//! initializes whole tensors the same way and keeps its part, and gathers every rank's part
+//! for a checkpoint (so every rank must ask for it). With `Launch::FakeRankZero` rank 0 runs
+//! alone on its own freshly initialized parts, for time and memory only.
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};
@@ -261,11 +264,11 @@ fn agree_across_ranks(
     run: &MeshRun,
 ) -> Result<(), TrainError> {
     let mine = format!(
-        "graph {fingerprint}; model {model:?}; seed {} lr {} optim {:?} data {:?}; mesh {}; plan {}",
+        "graph {fingerprint}; model {model:?}; seed {} lr {} optim {:?} data {}; mesh {}; plan {}",
         cfg.seed,
         cfg.lr,
         cfg.optim,
-        cfg.data,
+        cfg.data.identity(),
         run.mesh,
         run.plan.to_ron()
     );
