@@ -780,6 +780,9 @@ pub struct RunArgs {
     /// is safetensors: one tensor per parameter and optimizer-state tensor under the graph's
     /// names; its metadata holds the run (config, seed, data, optimizer), the step count, the
     /// data position, the graph fingerprint and a checksum of every tensor and of the metadata.
+    /// With --launcher mpi it is a directory instead: each rank writes its own parts, and a
+    /// manifest written once all have commits them (a sharded checkpoint). No state is saved
+    /// after a failed step under MPI: the ranks that failed cannot take part.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Also save the checkpoint every N steps (0: only at the end or on failure).
@@ -789,7 +792,8 @@ pub struct RunArgs {
     /// Checkpoints are safetensors files whose every tensor and metadata entry is checksummed:
     /// a changed, truncated or foreign file is refused, naming what changed. A checkpoint from
     /// another pass pipeline resumes (state is matched by name); the differing graph
-    /// fingerprint is printed.
+    /// fingerprint is printed. A sharded checkpoint (a directory an MPI run wrote) resumes on
+    /// any mesh, launcher or one device: its parts are assembled into whole tensors.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Write every trained step's batch to this file, for replay in another framework: raw
@@ -1407,7 +1411,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         say!("{}", describe_mesh_run(run, cfg.batch));
     }
     if let Some(path) = &a.resume {
-        let ckpt = checkpoint::load(path)?;
+        let ckpt = crate::sharded::load_any(path)?;
         let fingerprint = trainer.fingerprint.to_string();
         if ckpt.header.fingerprint != fingerprint {
             say!(
@@ -1426,23 +1430,41 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         );
     }
     let save = |trainer: &mut Trainer| -> Result<(), String> {
-        match &a.checkpoint {
-            Some(path) => {
+        let Some(path) = &a.checkpoint else {
+            return Ok(());
+        };
+        let with_tokenizer = |ckpt: &mut checkpoint::Checkpoint| {
+            if let Some(json) = &tokenizer_json {
+                ckpt.header
+                    .extra
+                    .insert(TOKENIZER_KEY.to_string(), json.clone());
+            }
+        };
+        match (mpi_rank_of_this_process(), &mesh) {
+            // Each MPI rank writes its parts; once all have, rank 0 commits the manifest.
+            (Some(rank), Some(run)) => {
+                let (mut part, placements) = trainer
+                    .checkpoint_part(run_id.clone())
+                    .map_err(|e| e.to_string())?;
+                with_tokenizer(&mut part);
+                let wrote = crate::sharded::save_part(path, rank, &part);
+                trainer
+                    .every_rank_ok(&wrote)
+                    .map_err(|e| format!("the checkpoint is not committed: {e}"))?;
+                if rank == 0 {
+                    let manifest =
+                        crate::sharded::manifest(&run.mesh, trainer.steps_done(), placements);
+                    crate::sharded::commit(path, &manifest)?;
+                }
+                Ok(())
+            }
+            _ => {
                 let mut ckpt = trainer
                     .checkpoint(run_id.clone())
                     .map_err(|e| e.to_string())?;
-                if let Some(json) = &tokenizer_json {
-                    ckpt.header
-                        .extra
-                        .insert(TOKENIZER_KEY.to_string(), json.clone());
-                }
-                // Every MPI rank gathers the whole tensors (a collective); rank 0 writes them.
-                if !speaks_for_the_job() {
-                    return Ok(());
-                }
+                with_tokenizer(&mut ckpt);
                 checkpoint::save(path, &ckpt)
             }
-            None => Ok(()),
         }
     };
     if let Some(path) = &a.init_out {

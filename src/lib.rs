@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod peak;
 pub mod plot;
 pub mod replay;
+pub mod sharded;
 pub mod step_report;
 pub mod timeline;
 pub mod trainer;

@@ -824,6 +824,72 @@ values, {} as the trainer's f64 host copies, and {} is available",
         })
     }
 
+    /// This rank's parts of parameters and optimizer state, with each one's placement on the
+    /// mesh: what an MPI rank writes into a sharded checkpoint (`sharded`). An error where the
+    /// trainer holds whole tensors or no real run's values.
+    pub fn checkpoint_part(
+        &mut self,
+        run: RunIdentity,
+    ) -> Result<(Checkpoint, Vec<(String, graphtrain_ir::Placements)>), TrainError> {
+        if !matches!(self.ranks, Ranks::Mpi { .. }) {
+            return Err(err("a checkpoint part is written by an MPI rank only"));
+        }
+        if self.poisoned {
+            return Err(err(format!(
+                "a step after step {} failed after the parameters were updated in place; the last checkpoint written is the last good state",
+                self.steps_done
+            )));
+        }
+        self.pull_slots()?;
+        let mut entries = Vec::new();
+        let mut tensors = Vec::new();
+        let mut placements = Vec::new();
+        for ((input, slot), feed) in self.graph.inputs.iter().zip(&self.slots).zip(&self.feeds) {
+            if matches!(feed, Feed::Carried) {
+                entries.push(TensorEntry {
+                    name: input.name.clone(),
+                    ty: slot.ty.clone(),
+                });
+                tensors.push(slot.clone());
+                let placement = input
+                    .placement
+                    .clone()
+                    .ok_or_else(|| err(format!("`{}` has no placement", input.name)))?;
+                placements.push((input.name.clone(), placement));
+            }
+        }
+        let header = Header {
+            run,
+            steps_done: self.steps_done,
+            data_batches_consumed: self.steps_done,
+            fingerprint: self.fingerprint.to_string(),
+            tensors: entries,
+            extra: Default::default(),
+        };
+        Ok((Checkpoint { header, tensors }, placements))
+    }
+
+    /// Whether every rank of the MPI job got `mine`: an error naming the ranks that did not (a
+    /// collective: every rank must call it).
+    pub fn every_rank_ok(&self, mine: &Result<(), String>) -> Result<(), TrainError> {
+        let status = match mine {
+            Ok(()) => Vec::new(),
+            Err(e) => e.clone().into_bytes(),
+        };
+        let all = mpi_all_gather(status)?;
+        let failed: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(r, s)| format!("rank {r}: {}", String::from_utf8_lossy(s)))
+            .collect();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(err(failed.join("; ")))
+        }
+    }
+
     /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
     /// and state tensor with its type. The graph fingerprint may differ (another pass pipeline
     /// over the same step): state is matched by name.

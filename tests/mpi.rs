@@ -1,7 +1,8 @@
 //! Ranks as processes: `mpirun --oversubscribe -np N graphtrain run ... --launcher mpi` against
 //! the threads launcher on the same mesh (`tiny`, fixed data, 5 steps): the same losses and
 //! every parameter and AdamW tensor of the checkpoint bit for bit, on `dp_shard=2`, `tp=2` and
-//! `dp_shard=2,tp=2`. A rank stopped with SIGSTOP makes the other stop within the collective
+//! `dp_shard=2,tp=2`. Sharded checkpoints resume across launchers and meshes, and only what
+//! their manifest commits counts. A rank stopped with SIGSTOP makes the other stop within the collective
 //! timeout, naming the collective and writing its last collectives; ranks started with
 //! different configs are refused before step 1.
 //!
@@ -9,7 +10,7 @@
 //! OpenMPI's consent variables, which the tests set.
 #![cfg(feature = "mpi")]
 
-use graphtrain::checkpoint;
+use graphtrain::{checkpoint, sharded};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -30,6 +31,14 @@ fn mpirun(np: usize) -> Command {
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     c
+}
+
+/// One `mpirun` job at a time: each already puts more ranks than cores on this machine, and
+/// one of them measures a timeout.
+static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_job() -> std::sync::MutexGuard<'static, ()> {
+    ONE_JOB.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn output(mut c: Command) -> Output {
@@ -70,6 +79,7 @@ fn run_args<'a>(mesh: &'a str, ckpt: &'a Path) -> Vec<&'a str> {
 
 #[test]
 fn mpi_ranks_train_bitwise_as_the_threads_engine() {
+    let _job = one_job();
     let dir = scratch("bitwise");
     for (mesh, np) in [("dp_shard=2", 2), ("tp=2", 2), ("dp_shard=2,tp=2", 4)] {
         let threads_ckpt = dir.join(format!("{mesh}-threads.safetensors"));
@@ -101,9 +111,12 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
         assert_eq!(a.len(), 5, "{mesh}: {}", text(&threads.stdout));
         // Rank 0 alone prints: five lines, not five per rank.
         assert_eq!(a, b, "{mesh}: the step lines differ");
+        // The MPI run's checkpoint is sharded (a directory of rank files and a manifest);
+        // assembled, it is the threads run's, bit for bit.
+        assert!(mpi_ckpt.join("manifest.json").is_file(), "{mesh}");
         let (ta, tb) = (
             checkpoint::load(&threads_ckpt).unwrap(),
-            checkpoint::load(&mpi_ckpt).unwrap(),
+            sharded::load(&mpi_ckpt).unwrap(),
         );
         assert_eq!(ta.header.tensors, tb.header.tensors, "{mesh}");
         for ((entry, x), y) in ta.header.tensors.iter().zip(&ta.tensors).zip(&tb.tensors) {
@@ -117,6 +130,7 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
 
 #[test]
 fn ranks_built_differently_are_refused_before_step_one() {
+    let _job = one_job();
     let dir = scratch("agree");
     let ckpt = dir.join("c.safetensors");
     let mut c = mpirun(1);
@@ -167,6 +181,7 @@ fn rank_pids() -> Vec<(usize, u32)> {
 
 #[test]
 fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
+    let _job = one_job();
     let dir = scratch("stuck");
     let mut c = mpirun(2);
     c.arg(BIN)
@@ -237,6 +252,7 @@ fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
 /// threads (`dp_shard=2,tp=2`); every step line matches the uninterrupted one-device run.
 #[test]
 fn checkpoints_resume_across_launchers_and_meshes() {
+    let _job = one_job();
     let dir = scratch("resume");
     let one = dir.join("one.safetensors");
     let base = |steps: &'static str| {
@@ -291,4 +307,49 @@ fn checkpoints_resume_across_launchers_and_meshes() {
         .flat_map(|o| step_lines(&text(&o.stdout)))
         .collect();
     assert_eq!(got, want, "resumed across launchers and meshes");
+}
+
+/// A sharded checkpoint is what its manifest commits: rank files of a later save that never got
+/// its manifest (a crash mid-save) change nothing, and rank files without any manifest, or a
+/// damaged rank file, are refused, naming why.
+#[test]
+fn only_what_the_manifest_commits_is_a_sharded_checkpoint() {
+    let _job = one_job();
+    let dir = scratch("commit");
+    let ckpt = dir.join("ckpt");
+    let job = output({
+        let mut c = mpirun(2);
+        c.arg(BIN)
+            .args(["run", "--config", "tiny", "--data", "fixed", "--steps", "2"])
+            .args(["--mesh", "dp_shard=2", "--launcher", "mpi", "--checkpoint"])
+            .arg(&ckpt);
+        c
+    });
+    assert!(job.status.success(), "{}", text(&job.stderr));
+    let committed = sharded::load(&ckpt).unwrap();
+    assert_eq!(committed.header.steps_done, 2);
+    // A later save that died after rank 0 wrote its file: no manifest names it.
+    let partial = ckpt.join(sharded::folder(3));
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::copy(
+        ckpt.join(sharded::folder(2)).join("rank-0.safetensors"),
+        partial.join("rank-0.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(sharded::load(&ckpt).unwrap(), committed);
+    // A damaged rank file is refused by its checksums.
+    let rank1 = ckpt.join(sharded::folder(2)).join("rank-1.safetensors");
+    let mut bytes = std::fs::read(&rank1).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&rank1, &bytes).unwrap();
+    let e = sharded::load(&ckpt).unwrap_err();
+    assert!(e.contains("rank-1.safetensors"), "{e}");
+    // Rank files without a manifest are not a checkpoint.
+    std::fs::remove_file(ckpt.join("manifest.json")).unwrap();
+    let e = sharded::load(&ckpt).unwrap_err();
+    assert!(
+        e.contains("without their manifest are not a checkpoint"),
+        "{e}"
+    );
 }

@@ -223,6 +223,10 @@ fn gather_bytes(world: &SimpleCommunicator, bytes: &[u8]) -> Vec<Vec<u8>> {
         })
         .collect();
     let total: usize = lengths.iter().map(|&l| l as usize).sum();
+    if total == 0 {
+        // Nothing to move (MPI refuses a gather into an empty buffer).
+        return vec![Vec::new(); n];
+    }
     let mut all = vec![0u8; total];
     {
         let mut partition = PartitionMut::new(&mut all[..], &lengths[..], &displs[..]);
