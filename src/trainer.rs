@@ -791,37 +791,15 @@ values, {} as the trainer's f64 host copies, and {} is available",
     /// Parameters, optimizer state and the step count, with `run` to identify the run.
     pub fn checkpoint(&mut self, run: RunIdentity) -> Result<Checkpoint, TrainError> {
         self.need_whole_tensors("checkpoint")?;
-        if self.poisoned {
-            return Err(err(format!(
-                "a step after step {} failed on the compiled backend, which had already updated the parameters in place; the last checkpoint written is the last good state",
-                self.steps_done
-            )));
-        }
+        self.refuse_if_poisoned()?;
         self.pull_slots()?;
-        let mut entries = Vec::new();
-        let mut tensors = Vec::new();
+        let mut state = Vec::new();
         for (i, (input, feed)) in self.graph.inputs.iter().zip(&self.feeds).enumerate() {
             if matches!(feed, Feed::Carried) {
-                let whole = self.whole(i)?;
-                entries.push(TensorEntry {
-                    name: input.name.clone(),
-                    ty: whole.ty.clone(),
-                });
-                tensors.push(whole);
+                state.push((input.name.clone(), self.whole(i)?));
             }
         }
-        Ok(Checkpoint {
-            header: Header {
-                run,
-                steps_done: self.steps_done,
-                // Batch k is a pure function of (seed, k): one batch per step.
-                data_batches_consumed: self.steps_done,
-                fingerprint: self.fingerprint.to_string(),
-                tensors: entries,
-                extra: Default::default(),
-            },
-            tensors,
-        })
+        Ok(self.state_checkpoint(run, state))
     }
 
     /// This rank's parts of parameters and optimizer state, with each one's placement on the
@@ -834,39 +812,58 @@ values, {} as the trainer's f64 host copies, and {} is available",
         if !matches!(self.ranks, Ranks::Mpi { .. }) {
             return Err(err("a checkpoint part is written by an MPI rank only"));
         }
-        if self.poisoned {
-            return Err(err(format!(
-                "a step after step {} failed after the parameters were updated in place; the last checkpoint written is the last good state",
-                self.steps_done
-            )));
-        }
+        self.refuse_if_poisoned()?;
         self.pull_slots()?;
-        let mut entries = Vec::new();
-        let mut tensors = Vec::new();
+        let mut state = Vec::new();
         let mut placements = Vec::new();
         for ((input, slot), feed) in self.graph.inputs.iter().zip(&self.slots).zip(&self.feeds) {
             if matches!(feed, Feed::Carried) {
-                entries.push(TensorEntry {
-                    name: input.name.clone(),
-                    ty: slot.ty.clone(),
-                });
-                tensors.push(slot.clone());
                 let placement = input
                     .placement
                     .clone()
                     .ok_or_else(|| err(format!("`{}` has no placement", input.name)))?;
+                state.push((input.name.clone(), slot.clone()));
                 placements.push((input.name.clone(), placement));
             }
         }
-        let header = Header {
-            run,
-            steps_done: self.steps_done,
-            data_batches_consumed: self.steps_done,
-            fingerprint: self.fingerprint.to_string(),
-            tensors: entries,
-            extra: Default::default(),
-        };
-        Ok((Checkpoint { header, tensors }, placements))
+        Ok((self.state_checkpoint(run, state), placements))
+    }
+
+    /// After a step failed with parameters already updated in place, no state is a step's.
+    fn refuse_if_poisoned(&self) -> Result<(), TrainError> {
+        if self.poisoned {
+            return Err(err(format!(
+                "a step after step {} failed on the compiled backend, which had already updated the parameters in place; the last checkpoint written is the last good state",
+                self.steps_done
+            )));
+        }
+        Ok(())
+    }
+
+    /// A checkpoint of `state` (named tensors) after the steps done so far.
+    fn state_checkpoint(&self, run: RunIdentity, state: Vec<(String, HostTensor)>) -> Checkpoint {
+        let (entries, tensors) = state
+            .into_iter()
+            .map(|(name, t)| {
+                let entry = TensorEntry {
+                    name,
+                    ty: t.ty.clone(),
+                };
+                (entry, t)
+            })
+            .unzip();
+        Checkpoint {
+            header: Header {
+                run,
+                steps_done: self.steps_done,
+                // Batch k is a pure function of (seed, k): one batch per step.
+                data_batches_consumed: self.steps_done,
+                fingerprint: self.fingerprint.to_string(),
+                tensors: entries,
+                extra: Default::default(),
+            },
+            tensors,
+        }
     }
 
     /// Whether every rank of the MPI job got `mine`: an error naming the ranks that did not (a

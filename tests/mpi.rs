@@ -61,20 +61,18 @@ fn step_lines(out: &str) -> Vec<String> {
         .collect()
 }
 
-fn run_args<'a>(mesh: &'a str, ckpt: &'a Path) -> Vec<&'a str> {
+/// `run` of `tiny` on fixed data for `steps` steps on `mesh`.
+fn train_args<'a>(steps: &'a str, mesh: &'a str) -> Vec<&'a str> {
     vec![
-        "run",
-        "--config",
-        "tiny",
-        "--data",
-        "fixed",
-        "--steps",
-        "5",
-        "--mesh",
-        mesh,
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
+        "run", "--config", "tiny", "--data", "fixed", "--steps", steps, "--mesh", mesh,
     ]
+}
+
+/// Five steps on `mesh`, checkpointed to `ckpt`.
+fn run_args<'a>(mesh: &'a str, ckpt: &'a Path) -> Vec<&'a str> {
+    let mut args = train_args("5", mesh);
+    args.extend(["--checkpoint", ckpt.to_str().unwrap()]);
+    args
 }
 
 #[test]
@@ -185,19 +183,8 @@ fn a_stopped_rank_stops_the_other_within_the_timeout_naming_the_collective() {
     let dir = scratch("stuck");
     let mut c = mpirun(2);
     c.arg(BIN)
-        .args([
-            "run",
-            "--config",
-            "tiny",
-            "--data",
-            "fixed",
-            "--steps",
-            "1000000",
-            "--mesh",
-            "dp_shard=2",
-            "--launcher",
-            "mpi",
-        ])
+        .args(train_args("1000000", "dp_shard=2"))
+        .args(["--launcher", "mpi"])
         .env("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S", "3")
         .env("GRAPHTRAIN_FLIGHT_DIR", &dir)
         .stdout(Stdio::null())
@@ -320,8 +307,8 @@ fn only_what_the_manifest_commits_is_a_sharded_checkpoint() {
     let job = output({
         let mut c = mpirun(2);
         c.arg(BIN)
-            .args(["run", "--config", "tiny", "--data", "fixed", "--steps", "2"])
-            .args(["--mesh", "dp_shard=2", "--launcher", "mpi", "--checkpoint"])
+            .args(train_args("2", "dp_shard=2"))
+            .args(["--launcher", "mpi", "--checkpoint"])
             .arg(&ckpt);
         c
     });
