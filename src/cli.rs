@@ -525,6 +525,12 @@ pub struct MeshArgs {
     /// run's).
     #[arg(long, value_enum, requires = "mesh")]
     pub launcher: Option<Launcher>,
+    /// Emulate a network on mesh dimensions (threads launcher): `tp=GBPS:LATENCY_US,...`, e.g.
+    /// `dp_shard=1:20` holds each collective over dp_shard for 20 µs plus the bytes a rank
+    /// sends under a ring algorithm at 1 GB/s after its data has met, while compute goes on.
+    /// What overlap is measured with on one machine.
+    #[arg(long, requires = "mesh")]
+    pub link: Option<String>,
 }
 
 impl MeshArgs {
@@ -565,11 +571,22 @@ impl MeshArgs {
             (Some(n), _) => n,
             (None, _) => (cores / mesh.world_size()).max(1),
         };
+        let links = match &self.link {
+            None => Vec::new(),
+            Some(_) if launch != crate::trainer::Launch::Threads => {
+                return Err(
+                    "--link emulates a network between threads: use it with --launcher threads"
+                        .into(),
+                )
+            }
+            Some(text) => parse_links(text, &mesh)?,
+        };
         Ok(Some(crate::trainer::MeshRun {
             mesh,
             plan,
             threads_per_rank,
             launch,
+            links,
         }))
     }
 }
@@ -1086,6 +1103,25 @@ fn gib(bytes: usize) -> String {
     } else {
         format!("{:.2} MiB", b / (1024.0 * 1024.0))
     }
+}
+
+/// `--link` as text: a link per mesh dimension it names.
+fn parse_links(
+    text: &str,
+    mesh: &graphtrain_ir::Mesh,
+) -> Result<Vec<Option<graphtrain_runtime::Link>>, String> {
+    let mut links = vec![None; mesh.dims.len()];
+    for item in text.split(',') {
+        let (dim, link) = item
+            .split_once('=')
+            .ok_or_else(|| format!("--link {text}: `{item}` is not DIM=GBPS:LATENCY_US"))?;
+        let d = mesh.dim(dim.trim()).ok_or_else(|| {
+            format!("--link {text}: `{dim}` is not a dimension of the mesh {mesh}")
+        })?;
+        links[d] =
+            Some(graphtrain_runtime::Link::parse(link).map_err(|e| format!("--link {text}: {e}"))?);
+    }
+    Ok(links)
 }
 
 /// `--mesh` as text, parsed.

@@ -129,6 +129,8 @@ pub struct MeshRun {
     pub plan: Plan,
     pub threads_per_rank: usize,
     pub launch: Launch,
+    /// An emulated network link per mesh dimension (threads only; none: shared memory).
+    pub links: Vec<Option<graphtrain_runtime::Link>>,
 }
 
 /// How the ranks of a mesh run.
@@ -149,10 +151,10 @@ pub enum Launch {
 
 /// Where the train step runs: one device, every rank of its mesh as threads, one rank alone, or
 /// this process's rank of an MPI job.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Ranks {
     One,
-    Threads(usize),
+    Threads(usize, Links),
     FakeRankZero,
     Mpi { rank: usize },
 }
@@ -163,8 +165,28 @@ impl Ranks {
         match self {
             Ranks::FakeRankZero => Some(0),
             Ranks::Mpi { rank } => Some(rank),
-            Ranks::One | Ranks::Threads(_) => None,
+            Ranks::One | Ranks::Threads(..) => None,
         }
+    }
+}
+
+/// Emulated links per mesh dimension, kept `Copy` (meshes have at most `MAX_DIMS` dimensions).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Links([Option<graphtrain_runtime::Link>; Links::MAX_DIMS]);
+
+impl Links {
+    const MAX_DIMS: usize = graphtrain_ir::mesh::MESH_DIM_NAMES.len();
+
+    fn of(links: &[Option<graphtrain_runtime::Link>]) -> Links {
+        let mut out = [None; Self::MAX_DIMS];
+        for (o, l) in out.iter_mut().zip(links) {
+            *o = *l;
+        }
+        Links(out)
+    }
+
+    fn to_vec(self) -> Vec<Option<graphtrain_runtime::Link>> {
+        self.0.to_vec()
     }
 }
 
@@ -313,7 +335,7 @@ fn load(
 ) -> Result<Box<dyn Executor>, TrainError> {
     let world = compiled.graph.mesh.as_ref().map_or(1, |m| m.world_size());
     let mut exec = match ranks {
-        Ranks::Threads(threads) => compiled.load_ranks(threads),
+        Ranks::Threads(threads, links) => compiled.load_ranks_over(threads, links.to_vec()),
         Ranks::One => compiled.load(Box::new(SingleRank)),
         Ranks::FakeRankZero => compiled.load(Box::new(FakeRank { rank: 0, world })),
         Ranks::Mpi { .. } => compiled.load(mpi_communicator()?),
@@ -469,7 +491,10 @@ values, {} as the trainer's f64 host copies, and {} is available",
         }
         let ranks = match mesh.map(|m| m.launch) {
             None => Ranks::One,
-            Some(Launch::Threads) => Ranks::Threads(mesh.expect("a mesh").threads_per_rank),
+            Some(Launch::Threads) => {
+                let run = mesh.expect("a mesh");
+                Ranks::Threads(run.threads_per_rank, Links::of(&run.links))
+            }
             Some(Launch::FakeRankZero) => Ranks::FakeRankZero,
             Some(Launch::Mpi) => {
                 let rank = mpi_rank()?;

@@ -668,6 +668,25 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
             vec!["--mesh", "tp=3"],
             vec!["4 query heads do not split over tp=3"],
         ),
+        (
+            vec!["--mesh", "dp_shard=2", "--link", "tp=1:5"],
+            vec!["--link", "`tp` is not a dimension of the mesh"],
+        ),
+        (
+            vec!["--mesh", "dp_shard=2", "--link", "dp_shard=0:5"],
+            vec!["--link", "bandwidth must be a positive number"],
+        ),
+        (
+            vec![
+                "--mesh",
+                "dp_shard=2",
+                "--link",
+                "dp_shard=1:5",
+                "--launcher",
+                "fake",
+            ],
+            vec!["--link emulates a network between threads"],
+        ),
         (vec!["--mesh", "dp=2"], vec!["unknown mesh dimension `dp`"]),
         (
             vec!["--mesh", "dp_shard=3"],

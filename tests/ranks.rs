@@ -42,6 +42,7 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
             mesh,
             threads_per_rank: 1,
             launch: Launch::Threads,
+            links: Vec::new(),
         }
     });
     build(run.as_ref(), pipeline)
@@ -311,6 +312,7 @@ fn a_fake_rank_zero_runs_one_ranks_program_alone() {
             mesh: mesh.clone(),
             threads_per_rank: 1,
             launch,
+            links: Vec::new(),
         };
         build(Some(&run), &Pipeline::new(Vec::new()))
     };

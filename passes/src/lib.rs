@@ -20,6 +20,7 @@ pub mod dce;
 pub mod egraph;
 pub mod offload;
 pub mod parallelize;
+pub mod prefetch;
 pub mod remat;
 
 pub use pass::{Decline, Pass, PassError, PassReport, Tier};
@@ -36,5 +37,6 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     dce::register(r);
     egraph::register(r);
     offload::register(r);
+    prefetch::register(r);
     remat::register(r);
 }

@@ -553,6 +553,11 @@ fn every_pass_keeps_the_spmd_steps_bitwise() {
         Some("min_bytes:1024".to_string()),
     )]);
     pipelines.push(vec![("capture".to_string(), None)]);
+    pipelines.push(vec![("prefetch".to_string(), None)]);
+    pipelines.push(vec![
+        ("prefetch".to_string(), Some("nodes:8".to_string())),
+        ("ac".to_string(), Some("full".to_string())),
+    ]);
     // The e-graph declines FSDP steps: their backward gathers are `remat=recompute` copies,
     // which hashconsing would merge back into the forward ones. It runs on plain TP.
     let egraph = vec![vec![("egraph".to_string(), None)]];
@@ -617,5 +622,65 @@ fn check_pipelines(
         );
         compare_numerics(g, &out, Tier::Preserving, 1)
             .unwrap_or_else(|e| panic!("{mesh}: {passes:?}: {e}"));
+    }
+}
+
+/// `prefetch` moves every FSDP gather's start toward the start of the step by at most the
+/// distance asked, never before its operand, and leaves each wait where it was; without
+/// collectives it declines and says why.
+#[test]
+fn prefetch_starts_collectives_earlier_and_keeps_waits() {
+    let cfg = tiny();
+    let mesh = Mesh::parse("dp_shard=2").unwrap();
+    let g = fsdp(&cfg, &mesh).step.graph;
+    let registry = Registry::builtin();
+    let position = |g: &graphtrain_ir::Graph, wanted: &str| -> Vec<usize> {
+        (0..g.nodes.len())
+            .filter(|&i| g.nodes[i].op.name() == wanted)
+            .collect()
+    };
+    let (out, report) = registry
+        .build("prefetch", Some("nodes:5"))
+        .unwrap()
+        .run(&g)
+        .unwrap();
+    assert!(!report.is_noop(), "{report}");
+    let (before, after) = (
+        position(&g, "all_gather_start"),
+        position(&out, "all_gather_start"),
+    );
+    assert_eq!(before.len(), after.len());
+    // Moved by at most 5 nodes, and the first ones (parameters: no producer) to the front.
+    for (b, a) in before.iter().zip(&after) {
+        assert!(a <= b && b - a <= 5 + after.len(), "{b} -> {a}");
+    }
+    assert!(after.iter().zip(&before).any(|(a, b)| a < b));
+    // Every wait still comes right before the first reader of its result.
+    let producers = out.producers();
+    let users = out.users();
+    for (i, n) in out
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.op == Op::Wait)
+    {
+        let start = producers[n.inputs[0].index()].unwrap();
+        assert!(start < i);
+        let first_use = users[n.outputs[0].index()].iter().min().copied();
+        assert!(first_use.is_none_or(|u| u > i));
+    }
+    compare_numerics(&g, &out, Tier::Preserving, 1).unwrap();
+    // A single-device step has nothing to prefetch.
+    let single = single_step(&cfg).graph;
+    let (same, report) = registry
+        .build("prefetch", None)
+        .unwrap()
+        .run(&single)
+        .unwrap();
+    assert_eq!(same, single);
+    assert!(report.to_string().contains("no mesh"), "{report}");
+    for bad in ["nodes:0", "nodes:x", "chunks:2"] {
+        let e = registry.build("prefetch", Some(bad)).err().expect(bad);
+        assert!(e.contains("prefetch") && e.contains(bad), "{e}");
     }
 }

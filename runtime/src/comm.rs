@@ -22,6 +22,13 @@
 //! rank starts is the k-th of every member of its group, and each communication thread, taking
 //! its rank's collectives in order, reaches it after all earlier ones have completed.
 //!
+//! A `Link` per mesh dimension emulates a network on the threads engine: once a collective's
+//! data has met, its communication thread holds it for the time the link would take (latency
+//! plus the bytes a rank sends under a ring algorithm over the bandwidth) before the wait may
+//! return. Compute goes on meanwhile, so a collective started early enough costs nothing: what
+//! overlap passes are measured with on one machine, whose shared memory is far faster than
+//! any network.
+//!
 //! Failures stop the whole world: a rank whose step fails calls `abort`, and every rank blocked
 //! in a wait (now or later) returns an error naming the failed rank instead of waiting forever.
 
@@ -207,10 +214,67 @@ struct SendPtr(*const f32);
 // every member has finished reading (the meeting's second barrier).
 unsafe impl Send for SendPtr {}
 
+/// An emulated network link: what a collective over a mesh dimension costs beyond the copy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Bytes per second each rank sends.
+    pub bytes_per_s: f64,
+    /// Per collective.
+    pub latency: Duration,
+}
+
+impl Link {
+    /// Reads `GBPS:LATENCY_US` (`10:5` is 10 GB/s with 5 µs per collective).
+    pub fn parse(s: &str) -> Result<Link, String> {
+        let (gbps, us) = s
+            .split_once(':')
+            .ok_or_else(|| format!("`{s}`: a link is GBPS:LATENCY_US, as in 10:5"))?;
+        let gbps: f64 = gbps
+            .trim()
+            .parse()
+            .ok()
+            .filter(|g: &f64| g.is_finite() && *g > 0.0)
+            .ok_or_else(|| format!("`{s}`: the bandwidth must be a positive number of GB/s"))?;
+        let us: f64 = us
+            .trim()
+            .parse()
+            .ok()
+            .filter(|u: &f64| u.is_finite() && *u >= 0.0)
+            .ok_or_else(|| format!("`{s}`: the latency must be a number of microseconds >= 0"))?;
+        Ok(Link {
+            bytes_per_s: gbps * 1e9,
+            latency: Duration::from_secs_f64(us * 1e-6),
+        })
+    }
+
+    /// The time `call` takes on this link: its latency and what one member sends under a ring
+    /// algorithm ((n-1)/n of the gathered or scattered tensor; twice that for an all-reduce).
+    pub fn time(&self, call: &CollectiveCall) -> Duration {
+        let n = call.group.len() as f64;
+        let src_bytes = call.src_shape.iter().product::<usize>() as f64 * 4.0;
+        let dst_bytes = call.dst_len as f64 * 4.0;
+        let ring = (n - 1.0) / n;
+        let sent = match call.collective {
+            Collective::AllGather { .. } => ring * dst_bytes,
+            Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => ring * src_bytes,
+            Collective::AllReduce { .. } => 2.0 * ring * src_bytes,
+            Collective::Broadcast { .. } => src_bytes,
+        };
+        self.latency + Duration::from_secs_f64(sent / self.bytes_per_s)
+    }
+}
+
 impl ThreadWorld {
     /// One communicator per rank of a world of `world_size` threads, each with its
     /// communication thread.
     pub fn communicators(world_size: usize) -> Vec<ThreadComm> {
+        Self::communicators_over(world_size, Vec::new())
+    }
+
+    /// As `communicators`, with an emulated link per mesh dimension (`links[d]`; none: shared
+    /// memory only). A collective over several dimensions takes its slowest link's time.
+    pub fn communicators_over(world_size: usize, links: Vec<Option<Link>>) -> Vec<ThreadComm> {
+        let links = Arc::new(links);
         let world = Arc::new(ThreadWorld {
             world_size,
             state: Mutex::new(WorldState::default()),
@@ -220,12 +284,12 @@ impl ThreadWorld {
             .map(|rank| {
                 let (queue, calls) = channel();
                 let completion = Arc::new(Completion::default());
-                let (w, c) = (world.clone(), completion.clone());
+                let (w, c, l) = (world.clone(), completion.clone(), links.clone());
                 // Detached: it ends when its queue closes, and a meeting it is in ends when
                 // every member arrives or the world fails.
                 let _ = std::thread::Builder::new()
                     .name(format!("graphtrain-comm-{rank}"))
-                    .spawn(move || communication_thread(&w, rank, calls, &c));
+                    .spawn(move || communication_thread(&w, rank, calls, &c, &l));
                 ThreadComm {
                     world: world.clone(),
                     rank,
@@ -297,9 +361,19 @@ fn communication_thread(
     rank: usize,
     calls: Receiver<(CollectiveCall, MeetingKey)>,
     completion: &Completion,
+    links: &[Option<Link>],
 ) {
     for (call, key) in calls {
         let result = world.meet(&call, key);
+        let emulated = call
+            .mesh_dims
+            .iter()
+            .filter_map(|&d| links.get(d).copied().flatten())
+            .map(|link| link.time(&call))
+            .max();
+        if let (Ok(()), Some(time)) = (&result, emulated) {
+            std::thread::sleep(time);
+        }
         let mut state = lock(&completion.state);
         state.pending.remove(&call.id);
         match result {
@@ -627,6 +701,65 @@ mod tests {
         };
         assert_eq!(run(sum, 2), [3.0, 6.0]);
         assert_eq!(fake.world_size(), 4);
+    }
+
+    /// A link's time is its latency plus a ring's bytes over its bandwidth, and the threads
+    /// engine holds a collective at least that long before its wait returns.
+    #[test]
+    fn an_emulated_link_holds_each_collective_for_its_time() {
+        let link = Link::parse("0.001:2000").unwrap();
+        assert_eq!(link.bytes_per_s, 1e6);
+        let call =
+            |collective: Collective, member: usize, src: &[f32], dst: &mut [f32]| CollectiveCall {
+                id: 1,
+                collective,
+                mesh_dims: vec![0],
+                group: vec![0, 1],
+                member,
+                src: src.as_ptr(),
+                src_shape: vec![src.len()],
+                dst: dst.as_mut_ptr(),
+                dst_len: dst.len(),
+            };
+        let src = vec![1.0f32; 1000];
+        let mut dst = vec![0.0f32; 2000];
+        // 2000 gathered f32, half of them sent: 4000 bytes at 1 MB/s, and 2 ms.
+        let gather = call(Collective::AllGather { axis: 0 }, 0, &src, &mut dst);
+        assert_eq!(link.time(&gather), Duration::from_millis(6));
+        let sum = Collective::AllReduce {
+            reduce: Reduce::Sum,
+        };
+        // An all-reduce sends twice a ring's share: 2 x 2000 bytes.
+        assert_eq!(
+            link.time(&call(sum, 0, &src, &mut dst[..1000])),
+            Duration::from_millis(6)
+        );
+        for bad in ["1", "0:5", "-1:5", "1:-5", "x:1"] {
+            assert!(Link::parse(bad).is_err(), "{bad}");
+        }
+        let comms = ThreadWorld::communicators_over(2, vec![Some(link)]);
+        let srcs = [vec![1.0f32; 1000], vec![2.0f32; 1000]];
+        let mut dsts = [vec![0.0f32; 2000], vec![0.0f32; 2000]];
+        let dst_ptrs = [dsts[0].as_mut_ptr(), dsts[1].as_mut_ptr()];
+        let t = Instant::now();
+        for (rank, comm) in comms.iter().enumerate() {
+            let mut c = call(
+                Collective::AllGather { axis: 0 },
+                rank,
+                &srcs[rank],
+                &mut [],
+            );
+            c.dst = dst_ptrs[rank];
+            c.dst_len = 2000;
+            // SAFETY: `srcs` and `dsts` outlive both waits and are not touched meanwhile.
+            unsafe { comm.start(c).unwrap() };
+        }
+        for comm in &comms {
+            comm.wait(1).unwrap();
+        }
+        assert!(t.elapsed() >= Duration::from_millis(6), "{:?}", t.elapsed());
+        assert_eq!(dsts[0][..1000], srcs[0][..]);
+        assert_eq!(dsts[1][1000..], srcs[1][..]);
     }
 
     #[test]

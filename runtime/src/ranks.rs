@@ -88,6 +88,15 @@ impl Compiled {
     /// Loads the step on every rank of its graph's mesh, each rank a thread with
     /// `threads_per_rank` compute threads.
     pub fn load_ranks(self, threads_per_rank: usize) -> Result<Box<dyn Executor>, RuntimeError> {
+        self.load_ranks_over(threads_per_rank, Vec::new())
+    }
+
+    /// `load_ranks` with an emulated network link per mesh dimension (`ThreadWorld`).
+    pub fn load_ranks_over(
+        self,
+        threads_per_rank: usize,
+        links: Vec<Option<crate::comm::Link>>,
+    ) -> Result<Box<dyn Executor>, RuntimeError> {
         let mesh = self.graph.mesh.clone().ok_or_else(|| {
             RuntimeError::Input(
                 "ranks as threads need an SPMD graph (one with a mesh); this one has none".into(),
@@ -110,7 +119,7 @@ impl Compiled {
         let world_size = mesh.world_size();
         let mut ranks = Vec::with_capacity(world_size);
         let mut loaded = Vec::with_capacity(world_size);
-        for (rank, comm) in ThreadWorld::communicators(world_size)
+        for (rank, comm) in ThreadWorld::communicators_over(world_size, links)
             .into_iter()
             .enumerate()
         {
