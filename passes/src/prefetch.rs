@@ -135,3 +135,36 @@ impl Pass for Prefetch {
         Ok((out.canonical(), report))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::check;
+
+    /// Two gathered weights: each start moves up, the second not above the node producing
+    /// its operand, and both waits stay before their matmuls. Checked on both ranks.
+    #[test]
+    fn starts_move_up_to_their_operand() {
+        let out = check(
+            &Prefetch { nodes: 4 },
+            "graph g {
+  mesh dp_shard=2
+  input %x: f32[2,4] @ [shard(0)]
+  param %w: f32[2,4] @ [shard(0)]
+  param %v: f32[2,4] @ [shard(0)]
+  %3: f32[2,4] = exp(%x)  # fwd a
+  %4: f32[2,4] = neg(%3)  # fwd a
+  %5: f32[4,4] = all_gather_start(%w, mesh_dims=[0], group=2, axis=0)  # fwd b
+  %6: f32[4,4] = wait(%5)  # fwd b
+  %7: f32[2,4] = matmul(%4, %6)  # fwd b
+  %8: f32[2,4] = mul_scalar(%v, value=2)  # fwd c
+  %9: f32[2,4] = exp(%7)  # fwd c
+  %10: f32[4,4] = all_gather_start(%8, mesh_dims=[0], group=2, axis=0)  # fwd c
+  %11: f32[4,4] = wait(%10)  # fwd c
+  %12: f32[2,4] = matmul(%9, %11)  # fwd c
+  output y = %12 @ [shard(0)]
+}",
+        );
+        insta::assert_snapshot!(out);
+    }
+}
