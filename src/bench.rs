@@ -59,6 +59,16 @@ pub struct BenchSummary {
     /// On a mesh: per rank, the median over the measured steps of the seconds blocked in
     /// collective waits, for other ranks or for the collective to finish (empty on one rank).
     pub median_wait_s: Vec<f64>,
+    /// Per rank, the median of the part of those waits spent before every member had started
+    /// the collective (waiting for peers, not for the data); the rest is exposed communication.
+    pub median_peer_wait_s: Vec<f64>,
+}
+
+/// Per rank, the median over steps of `per_step[step][rank]`.
+fn per_rank_medians(per_step: &[Vec<f64>]) -> Vec<f64> {
+    (0..per_step.first().map_or(0, Vec::len))
+        .map(|rank| median(&per_step.iter().map(|w| w[rank]).collect::<Vec<_>>()))
+        .collect()
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -112,6 +122,7 @@ pub fn run(
     let mut measured_peak = 0;
     let mut load_rss_growth = None;
     let mut waits: Vec<Vec<f64>> = Vec::new();
+    let mut peer_waits: Vec<Vec<f64>> = Vec::new();
     for i in 0..warmup + steps {
         let m = trainer.step().map_err(|e| e.to_string())?;
         if i == 0 {
@@ -123,6 +134,7 @@ pub fn run(
         on_step(&m);
         if i >= warmup {
             waits.push(m.wait_seconds.clone());
+            peer_waits.push(m.peer_wait_seconds.clone());
         }
         times.push(m.seconds);
         losses.push(m.loss);
@@ -173,9 +185,8 @@ pub fn run(
         peak_rss_bytes: peak_rss_bytes(),
         step_times_s: times,
         losses,
-        median_wait_s: (0..waits.first().map_or(0, Vec::len))
-            .map(|rank| median(&waits.iter().map(|w| w[rank]).collect::<Vec<_>>()))
-            .collect(),
+        median_wait_s: per_rank_medians(&waits),
+        median_peer_wait_s: per_rank_medians(&peer_waits),
     })
 }
 

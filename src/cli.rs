@@ -1791,10 +1791,23 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             .median_wait_s
             .iter()
             .enumerate()
-            .map(|(rank, w)| format!("rank {rank} {}", duration(*w)))
+            .map(|(rank, w)| {
+                let split = s
+                    .median_peer_wait_s
+                    .get(rank)
+                    .map(|p| {
+                        format!(
+                            " ({} for peers to start, {} exposed communication)",
+                            duration(*p),
+                            duration((w - p).max(0.0))
+                        )
+                    })
+                    .unwrap_or_default();
+                format!("rank {rank} {}{split}", duration(*w))
+            })
             .collect();
         say!(
-            "ranks: {} threads of {} compute thread(s) each; blocked in collective waits per step (median): {}",
+            "ranks: {} threads of {} compute thread(s) each; blocked in collective waits per step (medians): {}",
             s.median_wait_s.len(),
             mesh.as_ref().map_or(1, |m| m.threads_per_rank),
             per_rank.join(", ")

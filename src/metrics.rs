@@ -309,6 +309,7 @@ mod tests {
             grad_norm: 0.5,
             peak_bytes: 1 << 20,
             wait_seconds: Vec::new(),
+            peer_wait_seconds: Vec::new(),
             seconds: 0.25,
             tokens: 64,
         }

@@ -390,6 +390,9 @@ pub struct StepMetrics {
     /// Per rank, seconds the step spent blocked in collective waits, for other ranks or for
     /// the collective to finish (empty on one rank).
     pub wait_seconds: Vec<f64>,
+    /// Per rank, the part of `wait_seconds` spent before every member had started the
+    /// collective (waiting for peers); the rest is exposed communication.
+    pub peer_wait_seconds: Vec<f64>,
 }
 
 pub struct Trainer {
@@ -740,6 +743,11 @@ values, {} as the trainer's f64 host copies, and {} is available",
             tokens,
             wait_seconds: exec
                 .blocked_in_waits()
+                .iter()
+                .map(|d| d.as_secs_f64())
+                .collect(),
+            peer_wait_seconds: exec
+                .blocked_for_peers()
                 .iter()
                 .map(|d| d.as_secs_f64())
                 .collect(),

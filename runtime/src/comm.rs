@@ -120,6 +120,12 @@ pub trait Communicator: Send {
     fn take_blocked(&self) -> Duration {
         Duration::ZERO
     }
+    /// The part of `take_blocked`'s time spent before every member had started the collective
+    /// (waiting for peers, not for the transfer), since the last call; resets it. Zero where
+    /// the communicator cannot tell (MPI).
+    fn take_blocked_for_peers(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The communicator of a run with one rank: a collective over a group of one is a copy, done
@@ -297,6 +303,7 @@ impl ThreadWorld {
                     queue,
                     completion,
                     blocked: Mutex::new(Duration::ZERO),
+                    blocked_for_peers: Mutex::new(Duration::ZERO),
                 }
             })
             .collect()
@@ -325,16 +332,19 @@ impl ThreadWorld {
     /// Runs `call`, already posted to its meeting `key`, for its member: waits until every
     /// member has posted, writes this member's result, then waits until every member has read
     /// every operand, so none is overwritten while another rank still reads it.
-    fn meet(&self, call: &CollectiveCall, key: MeetingKey) -> Result<(), String> {
-        let operands: Vec<*const f32> = {
+    /// Returns when every member had posted.
+    fn meet(&self, call: &CollectiveCall, key: MeetingKey) -> Result<Instant, String> {
+        let (operands, met): (Vec<*const f32>, Instant) = {
             let state = self.wait_until(lock(&self.state), |s| {
                 s.open[&key].posted.iter().all(Option::is_some)
             })?;
-            state.open[&key]
+            let met = Instant::now();
+            let operands = state.open[&key]
                 .posted
                 .iter()
                 .map(|p| p.expect("every member posted").0)
-                .collect()
+                .collect();
+            (operands, met)
         };
         // SAFETY: every member's operand stays valid and unchanged until every member has
         // finished (below), and `dst` is this rank's own, per `start`'s contract.
@@ -351,7 +361,7 @@ impl ThreadWorld {
         } else {
             drop(self.wait_until(state, |s| !s.open.contains_key(&key))?);
         }
-        Ok(())
+        Ok(met)
     }
 }
 
@@ -371,14 +381,14 @@ fn communication_thread(
             .filter_map(|&d| links.get(d).copied().flatten())
             .map(|link| link.time(&call))
             .max();
-        if let (Ok(()), Some(time)) = (&result, emulated) {
+        if let (Ok(_), Some(time)) = (&result, emulated) {
             std::thread::sleep(time);
         }
         let mut state = lock(&completion.state);
         state.pending.remove(&call.id);
         match result {
-            Ok(()) => {
-                state.finished.insert(call.id);
+            Ok(met) => {
+                state.finished.insert(call.id, met);
             }
             Err(why) => {
                 state.failed.get_or_insert(format!("rank {rank}: {why}"));
@@ -400,8 +410,8 @@ struct Completion {
 struct CompletionState {
     /// Started and not yet completed, by id.
     pending: HashSet<usize>,
-    /// Completed and not yet waited for.
-    finished: HashSet<usize>,
+    /// Completed and not yet waited for, with when every member had started it.
+    finished: HashMap<usize, Instant>,
     /// Why the communication thread could not complete a collective.
     failed: Option<String>,
 }
@@ -417,6 +427,7 @@ pub struct ThreadComm {
     queue: Sender<(CollectiveCall, MeetingKey)>,
     completion: Arc<Completion>,
     blocked: Mutex<Duration>,
+    blocked_for_peers: Mutex<Duration>,
 }
 
 impl Communicator for ThreadComm {
@@ -461,9 +472,9 @@ impl Communicator for ThreadComm {
     fn wait(&self, id: usize) -> Result<(), RuntimeError> {
         let t0 = Instant::now();
         let mut state = lock(&self.completion.state);
-        loop {
-            if state.finished.remove(&id) {
-                break;
+        let met = loop {
+            if let Some(met) = state.finished.remove(&id) {
+                break met;
             }
             if let Some(why) = &state.failed {
                 return Err(RuntimeError::Backend(why.clone()));
@@ -476,9 +487,12 @@ impl Communicator for ThreadComm {
                 .changed
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
+        };
         drop(state);
-        *lock(&self.blocked) += t0.elapsed();
+        let blocked = t0.elapsed();
+        *lock(&self.blocked) += blocked;
+        // Until every member had started it, this rank waited for peers; after, for the data.
+        *lock(&self.blocked_for_peers) += met.saturating_duration_since(t0).min(blocked);
         Ok(())
     }
 
@@ -491,6 +505,10 @@ impl Communicator for ThreadComm {
         drop(state);
         self.world.changed.notify_all();
         first
+    }
+
+    fn take_blocked_for_peers(&self) -> Duration {
+        std::mem::take(&mut *lock(&self.blocked_for_peers))
     }
 
     fn take_blocked(&self) -> Duration {
@@ -760,6 +778,41 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(6), "{:?}", t.elapsed());
         assert_eq!(dsts[0][..1000], srcs[0][..]);
         assert_eq!(dsts[1][1000..], srcs[1][..]);
+    }
+
+    /// A rank that waits before its peer has started counts that time as waiting for peers,
+    /// apart from the rest of its blocked time.
+    #[test]
+    fn time_waiting_for_a_peer_to_start_is_told_apart() {
+        let comms = ThreadWorld::communicators(2);
+        let srcs = [vec![1.0f32; 4], vec![2.0f32; 4]];
+        let mut dsts = [vec![0.0f32; 4], vec![0.0f32; 4]];
+        let ptrs = [dsts[0].as_mut_ptr(), dsts[1].as_mut_ptr()];
+        let call = |rank: usize| CollectiveCall {
+            id: 3,
+            collective: Collective::AllReduce {
+                reduce: Reduce::Sum,
+            },
+            mesh_dims: vec![0],
+            group: vec![0, 1],
+            member: rank,
+            src: srcs[rank].as_ptr(),
+            src_shape: vec![4],
+            dst: ptrs[rank],
+            dst_len: 4,
+        };
+        std::thread::scope(|s| {
+            // SAFETY: `srcs` and `dsts` outlive both waits and are not touched meanwhile.
+            unsafe { comms[1].start(call(1)).unwrap() };
+            s.spawn(|| comms[1].wait(3).unwrap());
+            std::thread::sleep(Duration::from_millis(30));
+            unsafe { comms[0].start(call(0)).unwrap() };
+            comms[0].wait(3).unwrap();
+        });
+        let (blocked, for_peers) = (comms[1].take_blocked(), comms[1].take_blocked_for_peers());
+        assert!(for_peers >= Duration::from_millis(20), "{for_peers:?}");
+        assert!(for_peers <= blocked, "{for_peers:?} of {blocked:?}");
+        assert_eq!(dsts[0], vec![3.0; 4]);
     }
 
     #[test]

@@ -206,6 +206,12 @@ pub trait Executor {
     fn blocked_in_waits(&self) -> Vec<std::time::Duration> {
         Vec::new()
     }
+    /// Per rank, the part of `blocked_in_waits` spent before every member had started the
+    /// collective: waiting for peers rather than for the transfer (the rest is exposed
+    /// communication).
+    fn blocked_for_peers(&self) -> Vec<std::time::Duration> {
+        Vec::new()
+    }
 }
 
 /// Compiles `g` without passes and loads it on `backend`, with default runtime options and one

@@ -53,8 +53,9 @@ pub struct ThreadRanks {
     /// Answers `communicator()`: rank 0 of the world (the ranks' own run the collectives).
     world: RankGroupView,
     memory_bytes: usize,
-    /// Per rank, time blocked in waits during the last `run`.
-    blocked: Vec<Duration>,
+    /// Per rank, time blocked in waits during the last `run`, and the part of it before every
+    /// member had started.
+    blocked: Vec<(Duration, Duration)>,
 }
 
 /// What `ThreadRanks::communicator` shows: the world's size, seen from rank 0.
@@ -157,7 +158,7 @@ impl Compiled {
             ranks,
             world: RankGroupView { world_size },
             memory_bytes,
-            blocked: vec![Duration::ZERO; world_size],
+            blocked: vec![(Duration::ZERO, Duration::ZERO); world_size],
         }))
     }
 }
@@ -362,7 +363,12 @@ impl Executor for ThreadRanks {
                 Err(e) => exec.communicator().abort(&e.to_string()),
                 Ok(()) => false,
             };
-            (result, first, exec.communicator().take_blocked())
+            let comm = exec.communicator();
+            (
+                result,
+                first,
+                (comm.take_blocked(), comm.take_blocked_for_peers()),
+            )
         })?;
         let mut errors = Vec::new();
         for (rank, (result, first, blocked)) in results.into_iter().enumerate() {
@@ -422,7 +428,11 @@ impl Executor for ThreadRanks {
     }
 
     fn blocked_in_waits(&self) -> Vec<Duration> {
-        self.blocked.clone()
+        self.blocked.iter().map(|b| b.0).collect()
+    }
+
+    fn blocked_for_peers(&self) -> Vec<Duration> {
+        self.blocked.iter().map(|b| b.1).collect()
     }
 }
 
