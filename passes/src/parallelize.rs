@@ -3,16 +3,20 @@
 //!
 //! What it builds (torchtitan's SimpleFSDP, with its mesh names):
 //! - data inputs (`tokens`, `targets`) split by rows over `dp_replicate` and `dp_shard` (the
-//!   batch must divide): every shape in a rank's graph is that of its own rows;
+//!   batch must divide): every shape in a rank's graph is that of its own rows; with sequence
+//!   parallelism the tokens also by position over `tp`;
 //! - parameters placed as the plan says. A parameter sharded over `dp_shard` (FSDP, the built-in
 //!   plan) is all-gathered (a start and a wait node) right before its first use in forward, and
 //!   all-gathered again before its first use in backward, so no gathered weight lives from
 //!   forward to backward (keeping it instead is a scheduling policy for a later pass); its
 //!   gradient is reduce-scattered (the all-gather's adjoint) and AdamW updates only the rank's
 //!   shard, with optimizer state sharded alike;
-//! - tensor parallelism over `tp` (Megatron's, from the plan: `Plan::llama`): an op that cannot
-//!   take a partial sum, such as the residual add after a matmul split along its contraction,
-//!   gets it all-reduced first; autodiff then gives backward its conjugate all-reduce;
+//! - tensor parallelism over `tp` (Megatron's, from the plan: `Plan::llama`): where an op cannot
+//!   take its operands' placements a redistribution comes first (`Redistribute`): a partial
+//!   operand is reduce-scattered to a sibling's split (the residual add under sequence
+//!   parallelism) or all-reduced (under plain TP), an activation split by sequence is
+//!   all-gathered (before a block's split matmuls); plan pins redistribute what chosen modules
+//!   read (the output head reads its input whole); autodiff gives backward the conjugates;
 //! - gradients of parameters replicated over a mesh dimension are all-reduced over it (DDP over
 //!   `dp_replicate`, and HSDP as the two together; over `tp` for the norms, the embedding and
 //!   the output head), each as placement propagation finds it partial;
@@ -29,9 +33,8 @@
 //! Declines, with an error naming what and where: a mesh with `cp`, `pp` or `ep` larger than 1
 //! (not built yet); a batch or a parameter dimension that does not split evenly; a plan rule
 //! that matches no parameter or names an unknown mesh dimension; an op whose operands'
-//! placements it has no rule for, even with partial operands reduced. Not built: sequence
-//! parallelism (activations between blocks split by sequence over `tp`) and loss parallelism
-//! (the output head split by vocabulary).
+//! placements it has no rule for, even after redistribution; a pin on no module or asking for
+//! anything but `replicate`. Not built: loss parallelism (the output head split by vocabulary).
 
 use graphtrain_ir::graph::{Graph, InputKind, Meta, Phase, TypeError, ValueId};
 use graphtrain_ir::mesh::{Mesh, Placement, Placements, Reduce};
