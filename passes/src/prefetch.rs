@@ -93,19 +93,19 @@ impl Pass for Prefetch {
         let mut distance = 0usize;
         // Where each phase begins: a start stays in its own phase (the verifier keeps phases in
         // order, and activation checkpointing reads them).
-        let phase_start = |i: usize| {
-            let phase = g.nodes[i].meta.phase;
-            (0..=i)
-                .rev()
-                .take_while(|&j| g.nodes[j].meta.phase == phase)
-                .last()
-                .unwrap_or(i)
-        };
+        let mut phase_start = vec![0; g.nodes.len()];
+        for i in 1..g.nodes.len() {
+            phase_start[i] = if g.nodes[i].meta.phase == g.nodes[i - 1].meta.phase {
+                phase_start[i - 1]
+            } else {
+                i
+            };
+        }
         for &i in &starts {
             let operand = g.nodes[i].inputs[0];
             let earliest = producers[operand.index()]
                 .map_or(0, |p| p + 1)
-                .max(phase_start(i));
+                .max(phase_start[i]);
             let target = i.saturating_sub(self.nodes).max(earliest);
             if target < i {
                 keys[i] = (target, 0, i);

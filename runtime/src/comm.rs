@@ -635,6 +635,28 @@ mod tests {
     use super::*;
     use std::sync::mpsc::RecvTimeoutError;
 
+    /// The call `id` of `collective` for `member` of `group` (over mesh dimension 0), from the
+    /// 1-D operand `src` into `dst_len` floats at `dst`.
+    fn call_of(
+        id: usize,
+        collective: Collective,
+        (group, member): (Vec<usize>, usize),
+        src: &[f32],
+        (dst, dst_len): (*mut f32, usize),
+    ) -> CollectiveCall {
+        CollectiveCall {
+            id,
+            collective,
+            mesh_dims: vec![0],
+            group,
+            member,
+            src: src.as_ptr(),
+            src_shape: vec![src.len()],
+            dst,
+            dst_len,
+        }
+    }
+
     /// A collective completes while a member is still computing: rank 1 waits at once, rank 0
     /// calls its wait only after rank 1's has returned. Without a communication thread rank 0
     /// would read the operands only in its wait, and rank 1 would wait for it forever.
@@ -644,19 +666,18 @@ mod tests {
         let src = [vec![1.0f32, 2.0, 3.0, 4.0], vec![10.0, 20.0, 30.0, 40.0]];
         let mut dst = [vec![0.0f32; 2], vec![0.0f32; 2]];
         let dst_ptr = [dst[0].as_mut_ptr(), dst[1].as_mut_ptr()];
-        let call = |rank: usize| CollectiveCall {
-            id: 7,
-            collective: Collective::ReduceScatter {
-                axis: 0,
-                reduce: Reduce::Sum,
-            },
-            mesh_dims: vec![0],
-            group: vec![0, 1],
-            member: rank,
-            src: src[rank].as_ptr(),
-            src_shape: vec![4],
-            dst: dst_ptr[rank],
-            dst_len: 2,
+        let scatter = Collective::ReduceScatter {
+            axis: 0,
+            reduce: Reduce::Sum,
+        };
+        let call = |rank: usize| {
+            call_of(
+                7,
+                scatter,
+                (vec![0, 1], rank),
+                &src[rank],
+                (dst_ptr[rank], 2),
+            )
         };
         // SAFETY: `src` and `dst` outlive both waits below and are not touched meanwhile.
         unsafe {
@@ -694,17 +715,13 @@ mod tests {
         let src = [1.0f32, 2.0];
         let run = |collective: Collective, dst_len: usize| {
             let mut dst = vec![0.0f32; dst_len];
-            let call = CollectiveCall {
-                id: 0,
+            let call = call_of(
+                0,
                 collective,
-                mesh_dims: vec![0],
-                group: vec![0, 1, 2],
-                member: 1,
-                src: src.as_ptr(),
-                src_shape: vec![2],
-                dst: dst.as_mut_ptr(),
-                dst_len,
-            };
+                (vec![0, 1, 2], 1),
+                &src,
+                (dst.as_mut_ptr(), dst_len),
+            );
             // SAFETY: `src` and `dst` outlive the call, which completes at its start.
             unsafe { fake.start(call).unwrap() };
             fake.wait(0).unwrap();
@@ -727,18 +744,15 @@ mod tests {
     fn an_emulated_link_holds_each_collective_for_its_time() {
         let link = Link::parse("0.001:2000").unwrap();
         assert_eq!(link.bytes_per_s, 1e6);
-        let call =
-            |collective: Collective, member: usize, src: &[f32], dst: &mut [f32]| CollectiveCall {
-                id: 1,
+        let call = |collective: Collective, member: usize, src: &[f32], dst: &mut [f32]| {
+            call_of(
+                1,
                 collective,
-                mesh_dims: vec![0],
-                group: vec![0, 1],
-                member,
-                src: src.as_ptr(),
-                src_shape: vec![src.len()],
-                dst: dst.as_mut_ptr(),
-                dst_len: dst.len(),
-            };
+                (vec![0, 1], member),
+                src,
+                (dst.as_mut_ptr(), dst.len()),
+            )
+        };
         let src = vec![1.0f32; 1000];
         let mut dst = vec![0.0f32; 2000];
         // 2000 gathered f32, half of them sent: 4000 bytes at 1 MB/s, and 2 ms.
@@ -761,14 +775,13 @@ mod tests {
         let dst_ptrs = [dsts[0].as_mut_ptr(), dsts[1].as_mut_ptr()];
         let t = Instant::now();
         for (rank, comm) in comms.iter().enumerate() {
-            let mut c = call(
+            let c = call_of(
+                1,
                 Collective::AllGather { axis: 0 },
-                rank,
+                (vec![0, 1], rank),
                 &srcs[rank],
-                &mut [],
+                (dst_ptrs[rank], 2000),
             );
-            c.dst = dst_ptrs[rank];
-            c.dst_len = 2000;
             // SAFETY: `srcs` and `dsts` outlive both waits and are not touched meanwhile.
             unsafe { comm.start(c).unwrap() };
         }
@@ -788,19 +801,10 @@ mod tests {
         let srcs = [vec![1.0f32; 4], vec![2.0f32; 4]];
         let mut dsts = [vec![0.0f32; 4], vec![0.0f32; 4]];
         let ptrs = [dsts[0].as_mut_ptr(), dsts[1].as_mut_ptr()];
-        let call = |rank: usize| CollectiveCall {
-            id: 3,
-            collective: Collective::AllReduce {
-                reduce: Reduce::Sum,
-            },
-            mesh_dims: vec![0],
-            group: vec![0, 1],
-            member: rank,
-            src: srcs[rank].as_ptr(),
-            src_shape: vec![4],
-            dst: ptrs[rank],
-            dst_len: 4,
+        let sum = Collective::AllReduce {
+            reduce: Reduce::Sum,
         };
+        let call = |rank: usize| call_of(3, sum, (vec![0, 1], rank), &srcs[rank], (ptrs[rank], 4));
         std::thread::scope(|s| {
             // SAFETY: `srcs` and `dsts` outlive both waits and are not touched meanwhile.
             unsafe { comms[1].start(call(1)).unwrap() };

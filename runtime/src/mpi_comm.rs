@@ -141,7 +141,6 @@ impl MpiWorld {
         MpiComm {
             world: self,
             pending: Mutex::new(HashMap::new()),
-            blocked: Mutex::new(Duration::ZERO),
             started: Mutex::new(0),
             timeout: timeout(),
             history: Mutex::new(VecDeque::with_capacity(HISTORY)),
@@ -244,7 +243,6 @@ pub struct MpiComm {
     world: &'static MpiWorld,
     /// Started collectives by id: sequence number, description, and where the result comes.
     pending: Mutex<HashMap<usize, Pending>>,
-    blocked: Mutex<Duration>,
     /// Collectives started so far: the sequence number of the next.
     started: Mutex<usize>,
     timeout: Duration,
@@ -336,9 +334,7 @@ impl Communicator for MpiComm {
             .ok_or_else(|| {
                 RuntimeError::Input(format!("a wait for collective {id}, which has not started"))
             })?;
-        let t = Instant::now();
         let outcome = result.recv_timeout(self.timeout);
-        *self.blocked.lock().expect("not poisoned") += t.elapsed();
         if let Ok(Ok(())) = outcome {
             let now = self.epoch.elapsed();
             let mut history = self.history.lock().expect("not poisoned");
@@ -365,9 +361,5 @@ impl Communicator for MpiComm {
                 "the MPI thread stopped during collective #{sequence} ({what})"
             ))),
         }
-    }
-
-    fn take_blocked(&self) -> Duration {
-        std::mem::take(&mut *self.blocked.lock().expect("not poisoned"))
     }
 }
