@@ -13,6 +13,7 @@ pub mod memory;
 
 pub mod ac;
 pub mod ac_policy;
+pub mod async_tp;
 pub mod canonicalize;
 pub mod capture;
 pub mod cse;
@@ -31,6 +32,7 @@ pub use registry::{PassInfo, Registry};
 pub(crate) fn register_builtin(r: &mut Registry) {
     ac::register(r);
     ac_policy::register(r);
+    async_tp::register(r);
     canonicalize::register(r);
     capture::register(r);
     cse::register(r);

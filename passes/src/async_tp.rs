@@ -1,0 +1,858 @@
+//! `async_tp`: micro-pipelined tensor parallelism. The collectives of Megatron's split matmuls
+//! are cut into chunks, so that one chunk travels while the matmul of another computes.
+//!
+//! Changes, at each site the gate accepts (`chunks:K`, default 4):
+//! - an all-gather over `tp` whose result feeds matmuls as their rows (the column-parallel
+//!   `wq`/`wk`/`wv` and `w1`/`w3` under sequence parallelism, and backward's gathers of the
+//!   gradient) becomes K all-gathers, one of each rank's k-th block of rows, all started where
+//!   the original started; each matmul then multiplies chunk k as soon as it has arrived, and the
+//!   products are put back in row order. Readers of the whole gathered tensor (the weight
+//!   gradient) read it reassembled from the chunks.
+//! - a matmul whose product is reduce-scattered over `tp` (the row-parallel `wo` and `w2`, and
+//!   backward's input gradients) becomes K matmuls over the rows that make up block k of every
+//!   rank's result, each reduce-scattered as soon as it is computed; the K results are joined.
+//! Guarantees: tier 1. Every element is computed from the same operands by the same kernel as
+//! before (a matmul's row does not depend on the other rows) and every reduction adds the ranks
+//! in the same fixed order, so results are bitwise equal. Every rank runs the same graph, so the
+//! collectives are issued in the same order everywhere.
+//! Declines: on a graph without a `tp` mesh dimension (nothing to act on; never an error); at a
+//! collective whose result does not feed a matmul's rows, or whose operand is not a matmul's
+//! product read only by it; and where the cost gate predicts no gain. The gate models a
+//! chunk's transfer on the link (`link:GBPS:LATENCY_US`, default: shared memory) against its
+//! compute (`gflops:G`) plus the copies and nodes chunking adds, and each decline names the
+//! predicted loss. `gate:off` applies the pass wherever it is legal.
+//! Errors: a chunk count that does not divide a site's rows per rank, naming the site.
+
+use crate::pass::{Pass, PassError, PassReport, Tier};
+use crate::registry::{PassInfo, Registry};
+use graphtrain_ir::graph::{Meta, Node};
+use graphtrain_ir::stats::{comm_bytes, node_flops};
+use graphtrain_ir::{Collective, Graph, Op, ValueId};
+
+pub const INFO: PassInfo = PassInfo {
+    name: "async_tp",
+    tier: Tier::Preserving,
+    summary: "pipeline tensor parallelism's all-gathers and reduce-scatters with their matmuls",
+    contract: "Cuts each all-gather over tp that feeds matmuls' rows into K chunks whose matmuls \
+run as each chunk arrives, and each matmul feeding a reduce-scatter over tp into K matmuls whose \
+reduce-scatters start as each is computed (option chunks:K, default 4). Tier 1: each element is \
+computed from the same operands by the same kernel and summed over ranks in the same order, so \
+results are bitwise equal. Declines without a tp mesh dimension (not an error), at collectives \
+that do not feed or follow a matmul's rows, and where its cost gate predicts no gain: a chunk's \
+transfer on the link (link:GBPS:LATENCY_US, default shared memory 10:5) against its compute \
+(gflops:G, default 20) and the copies chunking adds; gate:off applies it wherever legal. A chunk \
+count that does not divide a site's rows per rank is an error naming the site.",
+    option_help: Some(
+        "`;`-separated: chunks:K (K >= 2, default 4), link:GBPS:LATENCY_US (the link the gate \
+assumes; default 10:5, shared memory), gflops:G (one rank's matmul speed the gate assumes; \
+default 20), gate:off (apply wherever legal)",
+    ),
+};
+
+const DEFAULT_CHUNKS: usize = 4;
+/// The link assumed when none is named: ranks as threads of one machine, over shared memory.
+const SHARED_MEMORY_GBPS: f64 = 10.0;
+const SHARED_MEMORY_LATENCY_US: f64 = 5.0;
+const DEFAULT_GFLOPS: f64 = 20.0;
+/// What each node chunking adds costs to dispatch, and the speed of the copies it adds (the
+/// slices of the operand and the reassembly of the products).
+const NODE_OVERHEAD_S: f64 = 2e-6;
+const COPY_BYTES_PER_S: f64 = 5e9;
+
+pub fn register(r: &mut Registry) {
+    r.register(INFO, |option| Ok(Box::new(AsyncTp::parse(option)?)));
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AsyncTp {
+    pub chunks: usize,
+    /// The link the cost gate assumes for `tp`.
+    pub link_bytes_per_s: f64,
+    pub link_latency_s: f64,
+    /// One rank's matmul speed the cost gate assumes.
+    pub flops_per_s: f64,
+    /// Whether the cost gate may decline a legal site.
+    pub gate: bool,
+}
+
+impl Default for AsyncTp {
+    fn default() -> Self {
+        AsyncTp {
+            chunks: DEFAULT_CHUNKS,
+            link_bytes_per_s: SHARED_MEMORY_GBPS * 1e9,
+            link_latency_s: SHARED_MEMORY_LATENCY_US * 1e-6,
+            flops_per_s: DEFAULT_GFLOPS * 1e9,
+            gate: true,
+        }
+    }
+}
+
+impl AsyncTp {
+    /// Reads `chunks:K;link:GBPS:LATENCY_US;gflops:G;gate:off` (any subset, any order).
+    pub fn parse(option: Option<&str>) -> Result<AsyncTp, String> {
+        let mut pass = AsyncTp::default();
+        let Some(option) = option else {
+            return Ok(pass);
+        };
+        for item in option.split(';').map(str::trim) {
+            let positive = |s: &str, what: &str| -> Result<f64, String> {
+                s.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| format!("async_tp: `{item}`: {what} must be a positive number"))
+            };
+            if let Some(k) = item.strip_prefix("chunks:") {
+                pass.chunks = match k.trim().parse::<usize>() {
+                    Ok(k) if k >= 2 => k,
+                    _ => {
+                        return Err(format!(
+                            "async_tp: `{item}`: the chunk count must be a whole number >= 2"
+                        ))
+                    }
+                };
+            } else if let Some(link) = item.strip_prefix("link:") {
+                let (gbps, us) = link.split_once(':').ok_or_else(|| {
+                    format!("async_tp: `{item}`: a link is link:GBPS:LATENCY_US, as in link:10:5")
+                })?;
+                pass.link_bytes_per_s = positive(gbps, "the bandwidth in GB/s")? * 1e9;
+                pass.link_latency_s = us
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|u| u.is_finite() && *u >= 0.0)
+                    .ok_or_else(|| {
+                        format!("async_tp: `{item}`: the latency must be microseconds >= 0")
+                    })?
+                    * 1e-6;
+            } else if let Some(g) = item.strip_prefix("gflops:") {
+                pass.flops_per_s = positive(g, "the matmul speed in GFLOP/s")? * 1e9;
+            } else if item == "gate:off" {
+                pass.gate = false;
+            } else if item == "gate:on" {
+                pass.gate = true;
+            } else {
+                return Err(format!(
+                    "async_tp: unknown option `{item}`; expected chunks:K, link:GBPS:LATENCY_US, \
+gflops:G or gate:off, separated by `;`"
+                ));
+            }
+        }
+        Ok(pass)
+    }
+
+    /// The step time the gate predicts chunking saves at one site (negative: it costs):
+    /// unchunked, the transfer and the compute run one after the other; chunked, K transfers
+    /// (each paying the latency) pipeline with K computes, plus the copies and nodes added.
+    fn predicted_gain_s(&self, site: &SiteCost) -> f64 {
+        let k = self.chunks as f64;
+        let transfer = site.sent_bytes / self.link_bytes_per_s;
+        let before = self.link_latency_s + transfer + site.compute_s;
+        let chunk_comm = self.link_latency_s + transfer / k;
+        let chunk_compute = site.compute_s / k;
+        let pipelined = chunk_comm + chunk_compute + (k - 1.0) * chunk_comm.max(chunk_compute);
+        let added = site.copied_bytes / COPY_BYTES_PER_S + site.added_nodes * NODE_OVERHEAD_S;
+        before - pipelined - added
+    }
+}
+
+/// What the gate weighs at one site.
+struct SiteCost {
+    /// Bytes one rank sends for the collective (ring algorithm).
+    sent_bytes: f64,
+    /// Seconds of the matmuls that overlap it.
+    compute_s: f64,
+    /// Bytes the slices and reassembly copy.
+    copied_bytes: f64,
+    added_nodes: f64,
+}
+
+#[derive(Clone, Debug)]
+enum Site {
+    /// An all-gather over tp whose result feeds matmuls (`consumers`) as their rows.
+    Gather {
+        start: usize,
+        wait: usize,
+        axis: usize,
+        consumers: Vec<usize>,
+    },
+    /// A matmul whose product only a reduce-scatter over tp reads.
+    Scatter {
+        matmul: usize,
+        start: usize,
+        wait: usize,
+        axis: usize,
+    },
+}
+
+/// What a node of the input graph becomes.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Keep,
+    GatherStart(usize),
+    GatherWait,
+    GatherConsumer(usize),
+    ScatterMatmul(usize),
+    ScatterStart,
+    ScatterWait(usize),
+}
+
+impl Pass for AsyncTp {
+    fn name(&self) -> &str {
+        INFO.name
+    }
+
+    fn tier(&self) -> Tier {
+        INFO.tier
+    }
+
+    fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
+        let mut report = PassReport::default();
+        let tp = match g.mesh.as_ref().map(|m| (m.dim("tp"), m)) {
+            None => {
+                report.decline(
+                    None,
+                    "",
+                    "the graph has no mesh, so no tp dimension to act on",
+                );
+                return Ok((g.clone(), report));
+            }
+            Some((None, m)) => {
+                report.decline(
+                    None,
+                    "",
+                    format!("the mesh `{m}` has no tp dimension to act on"),
+                );
+                return Ok((g.clone(), report));
+            }
+            Some((Some(tp), _)) => tp,
+        };
+        let sites = self.find_sites(g, tp, &mut report)?;
+        let mut accepted = Vec::new();
+        let mut gain_s = 0.0;
+        for site in sites {
+            let gain = self.predicted_gain_s(&self.cost(g, &site));
+            let (at, module) = match &site {
+                Site::Gather { start, .. } | Site::Scatter { start, .. } => {
+                    (*start, g.nodes[*start].meta.module.clone())
+                }
+            };
+            if self.gate && gain <= 0.0 {
+                report.decline(
+                    Some(at),
+                    module,
+                    format!(
+                        "the cost gate predicts {} chunks lose {:.1} µs here (transfer too short \
+to hide what chunking adds)",
+                        self.chunks,
+                        -gain * 1e6
+                    ),
+                );
+            } else {
+                gain_s += gain;
+                accepted.push(site);
+            }
+        }
+        if accepted.is_empty() {
+            if report.declined.is_empty() {
+                report.decline(
+                    None,
+                    "",
+                    "no all-gather over tp feeds a matmul and no matmul feeds a reduce-scatter \
+over tp",
+                );
+            }
+            return Ok((g.clone(), report));
+        }
+        let gathers = accepted
+            .iter()
+            .filter(|s| matches!(s, Site::Gather { .. }))
+            .count();
+        let scatters = accepted.len() - gathers;
+        let out = self.rewrite(g, &accepted)?;
+        report.change(format!(
+            "pipelined {gathers} all-gathers and {scatters} reduce-scatters over tp with their \
+matmuls in {} chunks; predicted gain {:.1} µs per step",
+            self.chunks,
+            gain_s * 1e6
+        ));
+        report.metric("async_tp.gathers", gathers as f64);
+        report.metric("async_tp.scatters", scatters as f64);
+        report.metric("async_tp.chunks", self.chunks as f64);
+        report.metric("async_tp.predicted_gain_us", gain_s * 1e6);
+        Ok((out.canonical(), report))
+    }
+}
+
+impl AsyncTp {
+    fn find_sites(
+        &self,
+        g: &Graph,
+        tp: usize,
+        report: &mut PassReport,
+    ) -> Result<Vec<Site>, PassError> {
+        let users = g.users();
+        let producers = g.producers();
+        let is_output = |v: ValueId| g.outputs.iter().any(|o| o.value == v);
+        // `node` multiplies `rows` (split along `axis`) by a matrix: each row of its product
+        // depends on that row alone.
+        let multiplies_rows = |node: usize, rows: ValueId, axis: usize| {
+            let n = &g.nodes[node];
+            matches!(n.op, Op::Matmul)
+                && n.inputs[0] == rows
+                && n.inputs[1] != rows
+                && g.ty(n.inputs[1]).rank() == 2
+                && axis + 1 < g.ty(rows).rank()
+        };
+        let mut sites = Vec::new();
+        for (i, node) in g.nodes.iter().enumerate() {
+            let Op::CollectiveStart {
+                collective,
+                mesh_dims,
+                ..
+            } = &node.op
+            else {
+                continue;
+            };
+            if mesh_dims.as_slice() != [tp] {
+                continue;
+            }
+            let wait = match users[node.outputs[0].index()].as_slice() {
+                [w] if matches!(g.nodes[*w].op, Op::Wait) => *w,
+                _ => continue,
+            };
+            let module = node.meta.module.clone();
+            match *collective {
+                Collective::AllGather { axis } => {
+                    let gathered = g.nodes[wait].outputs[0];
+                    let consumers: Vec<usize> = users[gathered.index()]
+                        .iter()
+                        .copied()
+                        .filter(|&u| multiplies_rows(u, gathered, axis))
+                        .collect();
+                    if consumers.is_empty() {
+                        report.decline(
+                            Some(i),
+                            module,
+                            "this all-gather's result feeds no matmul as its rows",
+                        );
+                        continue;
+                    }
+                    let rows = g.ty(node.inputs[0]).shape[axis];
+                    self.check_divides(rows, axis, i, &module, "all-gather")?;
+                    sites.push(Site::Gather {
+                        start: i,
+                        wait,
+                        axis,
+                        consumers,
+                    });
+                }
+                Collective::ReduceScatter { axis, .. } => {
+                    let product = node.inputs[0];
+                    let matmul = match producers[product.index()] {
+                        Some(m)
+                            if multiplies_rows(m, g.nodes[m].inputs[0], axis)
+                                && users[product.index()] == [i]
+                                && !is_output(product) =>
+                        {
+                            m
+                        }
+                        _ => {
+                            report.decline(
+                                Some(i),
+                                module,
+                                "this reduce-scatter's operand is not a matmul's rows read only \
+by it",
+                            );
+                            continue;
+                        }
+                    };
+                    let rows = g.ty(g.nodes[wait].outputs[0]).shape[axis];
+                    self.check_divides(rows, axis, i, &module, "reduce-scatter")?;
+                    sites.push(Site::Scatter {
+                        matmul,
+                        start: i,
+                        wait,
+                        axis,
+                    });
+                }
+                _ => {}
+            }
+        }
+        Ok(sites)
+    }
+
+    fn check_divides(
+        &self,
+        rows: usize,
+        axis: usize,
+        node: usize,
+        module: &str,
+        what: &str,
+    ) -> Result<(), PassError> {
+        if rows % self.chunks == 0 {
+            return Ok(());
+        }
+        Err(PassError {
+            pass: INFO.name.into(),
+            message: format!(
+                "option chunks:{}: the {what} at node {node} (`{module}`) has {rows} rows per \
+rank along axis {axis}, which {} chunks do not divide",
+                self.chunks, self.chunks
+            ),
+        })
+    }
+
+    fn cost(&self, g: &Graph, site: &Site) -> SiteCost {
+        let k = self.chunks as f64;
+        let bytes = |v: ValueId| g.ty(v).size_bytes() as f64;
+        let (start, matmuls) = match site {
+            Site::Gather {
+                start, consumers, ..
+            } => (*start, consumers.clone()),
+            Site::Scatter { start, matmul, .. } => (*start, vec![*matmul]),
+        };
+        let node = &g.nodes[start];
+        let (collective, group) = match &node.op {
+            Op::CollectiveStart {
+                collective, group, ..
+            } => (*collective, *group),
+            _ => unreachable!("a site starts at a collective"),
+        };
+        let sent_bytes = comm_bytes(collective, group, g.ty(node.inputs[0]).size_bytes());
+        let flops: f64 = matmuls.iter().map(|&m| node_flops(g, &g.nodes[m])).sum();
+        let products: f64 = matmuls.iter().map(|&m| bytes(g.nodes[m].outputs[0])).sum();
+        let (copied_bytes, added_nodes) = match site {
+            // Slices of the operand; each product's chunks joined; per chunk a slice, a start,
+            // a wait, and per consumer a matmul and a reshape.
+            Site::Gather { .. } => (
+                bytes(node.inputs[0]) + products,
+                k * 3.0 - 2.0 + matmuls.len() as f64 * (2.0 * k + 1.0),
+            ),
+            // The rows of each chunk gathered from the matmul's operand; the results joined;
+            // per chunk a slice, a reshape, a matmul, a start and a wait.
+            Site::Scatter { matmul, .. } => (
+                bytes(g.nodes[*matmul].inputs[0]) + products / group as f64,
+                5.0 * k - 2.0,
+            ),
+        };
+        SiteCost {
+            sent_bytes,
+            compute_s: flops / self.flops_per_s,
+            copied_bytes,
+            added_nodes,
+        }
+    }
+
+    fn rewrite(&self, g: &Graph, sites: &[Site]) -> Result<Graph, PassError> {
+        let k = self.chunks;
+        let mut roles = vec![Role::Keep; g.nodes.len()];
+        for (s, site) in sites.iter().enumerate() {
+            match site {
+                Site::Gather {
+                    start,
+                    wait,
+                    consumers,
+                    ..
+                } => {
+                    roles[*start] = Role::GatherStart(s);
+                    roles[*wait] = Role::GatherWait;
+                    for &c in consumers {
+                        roles[c] = Role::GatherConsumer(s);
+                    }
+                }
+                Site::Scatter {
+                    matmul,
+                    start,
+                    wait,
+                    ..
+                } => {
+                    roles[*matmul] = Role::ScatterMatmul(s);
+                    roles[*start] = Role::ScatterStart;
+                    roles[*wait] = Role::ScatterWait(s);
+                }
+            }
+        }
+        let mut e = Emitter {
+            out: Graph {
+                nodes: Vec::new(),
+                ..g.clone()
+            },
+            map: (0..g.values.len() as u32).map(ValueId).collect(),
+            chunks: k,
+            handles: vec![Vec::new(); sites.len()],
+            arrived: vec![Vec::new(); sites.len()],
+            whole: vec![None; sites.len()],
+        };
+        // The gathered value of each gather site, to find its readers.
+        let mut gathered_site = vec![None; g.values.len()];
+        for (s, site) in sites.iter().enumerate() {
+            if let Site::Gather { wait, .. } = site {
+                gathered_site[g.nodes[*wait].outputs[0].index()] = Some(s);
+            }
+        }
+        for (i, node) in g.nodes.iter().enumerate() {
+            match roles[i] {
+                Role::GatherStart(s) => e.start_gather(g, node, s)?,
+                Role::GatherWait | Role::ScatterStart => {}
+                Role::GatherConsumer(s) => {
+                    let Site::Gather { axis, .. } = sites[s] else {
+                        unreachable!()
+                    };
+                    let mut products = Vec::with_capacity(k);
+                    for c in 0..k {
+                        let rows = e.arrived_chunk(g, &sites[s], s, c)?;
+                        let weight = e.map[node.inputs[1].index()];
+                        products.push(e.add(Op::Matmul, vec![rows, weight], &node.meta)?);
+                    }
+                    let joined = e.join_gathered(&products, axis, g, &sites[s], &node.meta)?;
+                    e.map[node.outputs[0].index()] = joined;
+                }
+                Role::ScatterMatmul(s) => e.scatter_chunks(g, &sites[s], s)?,
+                Role::ScatterWait(s) => {
+                    let Site::Scatter { axis, .. } = sites[s] else {
+                        unreachable!()
+                    };
+                    // Each chunk is one block per rank: joined as (rank, chunk, row), so
+                    // that each rank's rows stay one block.
+                    let whole = g.ty(node.outputs[0]).shape.clone();
+                    let mut block = whole.clone();
+                    block.splice(axis..=axis, [1, whole[axis] / k]);
+                    let mut parts = Vec::with_capacity(k);
+                    for c in 0..k {
+                        let handle = e.handles[s][c];
+                        let part = e.add(Op::Wait, vec![handle], &node.meta)?;
+                        let shape = block.clone();
+                        parts.push(e.add(Op::Reshape { shape }, vec![part], &node.meta)?);
+                    }
+                    let joined = e.add(Op::Concat { axis: axis + 1 }, parts, &node.meta)?;
+                    let joined = e.add(Op::Reshape { shape: whole }, vec![joined], &node.meta)?;
+                    e.map[node.outputs[0].index()] = joined;
+                }
+                Role::Keep => {
+                    for v in &node.inputs {
+                        if let Some(s) = gathered_site[v.index()] {
+                            e.whole_gathered(g, &sites[s], s)?;
+                        }
+                    }
+                    let inputs = node.inputs.iter().map(|v| e.map[v.index()]).collect();
+                    e.out.nodes.push(Node {
+                        inputs,
+                        ..node.clone()
+                    });
+                }
+            }
+        }
+        for (s, site) in sites.iter().enumerate() {
+            if let Site::Gather { wait, .. } = site {
+                let gathered = g.nodes[*wait].outputs[0];
+                if g.outputs.iter().any(|o| o.value == gathered) {
+                    e.whole_gathered(g, site, s)?;
+                }
+            }
+        }
+        for o in &mut e.out.outputs {
+            o.value = e.map[o.value.index()];
+        }
+        Ok(e.out)
+    }
+}
+
+/// Builds the rewritten graph node by node; `map` takes a value of the input graph to the value
+/// holding it in the output graph.
+struct Emitter {
+    out: Graph,
+    map: Vec<ValueId>,
+    chunks: usize,
+    /// Per site, the handles of its chunk collectives.
+    handles: Vec<Vec<ValueId>>,
+    /// Per gather site, the chunks waited for so far.
+    arrived: Vec<Vec<ValueId>>,
+    /// Per gather site, the gathered tensor reassembled, once a reader needed it whole.
+    whole: Vec<Option<ValueId>>,
+}
+
+impl Emitter {
+    fn add(&mut self, op: Op, inputs: Vec<ValueId>, meta: &Meta) -> Result<ValueId, PassError> {
+        self.out
+            .push1(op, inputs, meta.clone())
+            .map_err(|e| PassError {
+                pass: INFO.name.into(),
+                message: format!("a chunked node does not type-check: {e:?}"),
+            })
+    }
+
+    /// At the all-gather's start: slice block k of the rank's rows and start gathering it.
+    fn start_gather(&mut self, g: &Graph, start: &Node, s: usize) -> Result<(), PassError> {
+        let Op::CollectiveStart {
+            collective: Collective::AllGather { axis },
+            ..
+        } = start.op
+        else {
+            unreachable!("a gather site starts at an all-gather")
+        };
+        // The rank's rows, as one block of a (rank, row) split: sliced along the row, each
+        // chunk stays one block per rank, which is what the placements can say.
+        let shape = &g.ty(start.inputs[0]).shape;
+        let mut by_rank = shape.clone();
+        by_rank.splice(axis..=axis, [1, shape[axis]]);
+        let rows = shape[axis] / self.chunks;
+        let mut chunk_shape = shape.clone();
+        chunk_shape[axis] = rows;
+        let operand = self.map[start.inputs[0].index()];
+        let operand = self.add(Op::Reshape { shape: by_rank }, vec![operand], &start.meta)?;
+        for c in 0..self.chunks {
+            let block = self.add(
+                Op::Slice {
+                    axis: axis + 1,
+                    start: c * rows,
+                    end: (c + 1) * rows,
+                },
+                vec![operand],
+                &start.meta,
+            )?;
+            let block = self.add(
+                Op::Reshape {
+                    shape: chunk_shape.clone(),
+                },
+                vec![block],
+                &start.meta,
+            )?;
+            let handle = self.add(start.op.clone(), vec![block], &start.meta)?;
+            self.handles[s].push(handle);
+        }
+        Ok(())
+    }
+
+    /// Gathered chunk `c` of a gather site, waiting for it (and the chunks before it) first.
+    fn arrived_chunk(
+        &mut self,
+        g: &Graph,
+        site: &Site,
+        s: usize,
+        c: usize,
+    ) -> Result<ValueId, PassError> {
+        let Site::Gather { wait, .. } = *site else {
+            unreachable!()
+        };
+        while self.arrived[s].len() <= c {
+            let handle = self.handles[s][self.arrived[s].len()];
+            let chunk = self.add(Op::Wait, vec![handle], &g.nodes[wait].meta)?;
+            self.arrived[s].push(chunk);
+        }
+        Ok(self.arrived[s][c])
+    }
+
+    /// The gathered tensor in its original row order, for readers that need it whole.
+    fn whole_gathered(&mut self, g: &Graph, site: &Site, s: usize) -> Result<(), PassError> {
+        let Site::Gather { wait, axis, .. } = *site else {
+            unreachable!()
+        };
+        if self.whole[s].is_some() {
+            return Ok(());
+        }
+        let chunks = (0..self.chunks)
+            .map(|c| self.arrived_chunk(g, site, s, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let whole = self.join_gathered(&chunks, axis, g, site, &g.nodes[wait].meta)?;
+        self.whole[s] = Some(whole);
+        self.map[g.nodes[wait].outputs[0].index()] = whole;
+        Ok(())
+    }
+
+    /// Joins per-chunk tensors whose rows along `axis` run (rank, row of the chunk) into rows
+    /// that run (rank, chunk, row of the chunk): the order the unchunked all-gather gives.
+    fn join_gathered(
+        &mut self,
+        chunks: &[ValueId],
+        axis: usize,
+        g: &Graph,
+        site: &Site,
+        meta: &Meta,
+    ) -> Result<ValueId, PassError> {
+        let Site::Gather { start, .. } = *site else {
+            unreachable!()
+        };
+        let ranks = match g.nodes[start].op {
+            Op::CollectiveStart { group, .. } => group,
+            _ => unreachable!(),
+        };
+        let chunk_shape = self.out.ty(chunks[0]).shape.clone();
+        let rows = chunk_shape[axis] / ranks;
+        let mut split = chunk_shape.clone();
+        split.splice(axis..=axis, [ranks, rows]);
+        let mut blocks = Vec::with_capacity(chunks.len());
+        for &chunk in chunks {
+            blocks.push(self.add(
+                Op::Reshape {
+                    shape: split.clone(),
+                },
+                vec![chunk],
+                meta,
+            )?);
+        }
+        let joined = self.add(Op::Concat { axis: axis + 1 }, blocks, meta)?;
+        let mut whole = chunk_shape;
+        whole[axis] = ranks * rows * chunks.len();
+        self.add(Op::Reshape { shape: whole }, vec![joined], meta)
+    }
+
+    /// At the matmul: for each chunk, the rows that become block k of every rank's result,
+    /// their product, and its reduce-scatter.
+    fn scatter_chunks(&mut self, g: &Graph, site: &Site, s: usize) -> Result<(), PassError> {
+        let Site::Scatter {
+            matmul,
+            start,
+            wait,
+            axis,
+        } = *site
+        else {
+            unreachable!()
+        };
+        let ranks = match g.nodes[start].op {
+            Op::CollectiveStart { group, .. } => group,
+            _ => unreachable!(),
+        };
+        let mm = &g.nodes[matmul];
+        let lhs = self.map[mm.inputs[0].index()];
+        let rhs = self.map[mm.inputs[1].index()];
+        let per_rank = g.ty(g.nodes[wait].outputs[0]).shape[axis];
+        let rows = per_rank / self.chunks;
+        let mut split = g.ty(mm.inputs[0]).shape.clone();
+        split.splice(axis..=axis, [ranks, per_rank]);
+        let by_rank = self.add(
+            Op::Reshape {
+                shape: split.clone(),
+            },
+            vec![lhs],
+            &mm.meta,
+        )?;
+        let mut chunk_shape = split;
+        chunk_shape.splice(axis..=axis + 1, [ranks * rows]);
+        for c in 0..self.chunks {
+            let block = self.add(
+                Op::Slice {
+                    axis: axis + 1,
+                    start: c * rows,
+                    end: (c + 1) * rows,
+                },
+                vec![by_rank],
+                &mm.meta,
+            )?;
+            let chunk_rows = self.add(
+                Op::Reshape {
+                    shape: chunk_shape.clone(),
+                },
+                vec![block],
+                &mm.meta,
+            )?;
+            let product = self.add(Op::Matmul, vec![chunk_rows, rhs], &mm.meta)?;
+            let meta = &g.nodes[start].meta;
+            let handle = self.add(g.nodes[start].op.clone(), vec![product], meta)?;
+            self.handles[s].push(handle);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check, try_check};
+
+    /// Sequence-parallel column and row matmuls on tp=2: the gathered rows feed a matmul and
+    /// a reader of the whole tensor; the row-parallel product is reduce-scattered. Checked
+    /// bitwise on both ranks.
+    const TP_BLOCK: &str = "graph g {
+  mesh tp=2
+  input %x: f32[2,4,8] @ [shard(1)]
+  param %w: f32[8,6] @ [shard(1)]
+  param %v: f32[6,8] @ [shard(0)]
+  %3: f32[2,8,8] = all_gather_start(%x, mesh_dims=[0], group=2, axis=1)  # fwd col
+  %4: f32[2,8,8] = wait(%3)  # fwd col
+  %5: f32[2,8,6] = matmul(%4, %w)  # fwd col.w
+  %6: f32[2,8,6] = exp(%5)  # fwd col
+  %7: f32[2,8,8] = matmul(%6, %v)  # fwd row.v
+  %8: f32[2,4,8] = reduce_scatter_start(%7, mesh_dims=[0], group=2, axis=1, reduce=sum)  # fwd row
+  %9: f32[2,4,8] = wait(%8)  # fwd row
+  %10: f32[16,8] = reshape(%4, shape=[16,8])  # fwd col
+  output y = %9 @ [shard(1)]
+  output z = %10 @ [replicate]
+}";
+
+    fn pass(option: &str) -> AsyncTp {
+        AsyncTp::parse(Some(option)).unwrap()
+    }
+
+    #[test]
+    fn gathers_and_scatters_pipeline_in_chunks() {
+        insta::assert_snapshot!(check(&pass("chunks:2;gate:off"), TP_BLOCK));
+    }
+
+    /// On shared memory these tensors are far too small to hide anything: the gate declines
+    /// each site with its predicted loss, and the graph is unchanged.
+    #[test]
+    fn the_gate_declines_where_chunking_costs_more_than_it_hides() {
+        let out = check(&AsyncTp::default(), TP_BLOCK.replace("chunks", "").as_str());
+        assert!(out.contains("// no change"), "{out}");
+        assert_eq!(
+            out.matches("the cost gate predicts 4 chunks lose").count(),
+            2,
+            "{out}"
+        );
+        // A slow link and a slow matmul: worth chunking.
+        let slow = pass("chunks:2;link:0.001:1;gflops:0.001");
+        let out = check(&slow, TP_BLOCK);
+        assert!(
+            out.contains("pipelined 1 all-gathers and 1 reduce-scatters"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn without_tp_it_says_so_and_changes_nothing() {
+        let no_mesh = "graph g {
+  input %x: f32[2,4] @ [replicate]
+  %1: f32[2,4] = exp(%x)  # fwd a
+  output y = %1
+}";
+        let no_mesh = no_mesh.replace(" @ [replicate]", "");
+        let out = check(&AsyncTp::default(), &no_mesh);
+        assert!(out.contains("no tp dimension to act on"), "{out}");
+        let fsdp = TP_BLOCK.replace("mesh tp=2", "mesh dp_shard=2");
+        let out = check(&pass("gate:off"), &fsdp);
+        assert!(out.contains("has no tp dimension to act on"), "{out}");
+    }
+
+    #[test]
+    fn bad_options_and_chunk_counts_are_refused_by_name() {
+        for (option, says) in [
+            ("chunks:0", "the chunk count must be a whole number >= 2"),
+            ("chunks:1", "the chunk count must be a whole number >= 2"),
+            ("chunks:x", "the chunk count must be a whole number >= 2"),
+            ("link:3", "a link is link:GBPS:LATENCY_US"),
+            (
+                "link:0:5",
+                "the bandwidth in GB/s must be a positive number",
+            ),
+            (
+                "gflops:-1",
+                "the matmul speed in GFLOP/s must be a positive number",
+            ),
+            ("ring:2", "unknown option `ring:2`"),
+        ] {
+            let e = AsyncTp::parse(Some(option)).unwrap_err();
+            assert!(e.starts_with("async_tp: "), "{e}");
+            assert!(e.contains(says), "{option}: {e}");
+        }
+        let e = try_check(&pass("chunks:3;gate:off"), TP_BLOCK).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains(
+                "pass `async_tp`: option chunks:3: the all-gather at node 0 (`col`) has 4 \
+rows per rank along axis 1, which 3 chunks do not divide"
+            ),
+            "{e}"
+        );
+    }
+}
