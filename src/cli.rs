@@ -1921,10 +1921,60 @@ fn print_pass_records(records: &[PassRecord]) {
                 .report
                 .metrics
                 .iter()
-                .map(|(k, v)| format!("{k}={v}"))
+                .map(|(k, v)| format!("{k}={}", short_number(*v)))
                 .collect();
             say!("     {}", m.join(" "));
         }
+        // Where the pass declined and why: one line per kind of reason (reasons that differ
+        // only in their numbers are one kind), with the first one's text.
+        let kind = |reason: &str| -> String {
+            let mut k = String::new();
+            for ch in reason.chars() {
+                if ch.is_ascii_digit() || ch == '.' && k.ends_with('#') {
+                    if !k.ends_with('#') {
+                        k.push('#');
+                    }
+                } else {
+                    k.push(ch);
+                }
+            }
+            k
+        };
+        let mut reasons: Vec<(String, usize, &graphtrain_passes::Decline)> = Vec::new();
+        for d in &r.report.declined {
+            let k = kind(&d.reason);
+            match reasons.iter_mut().find(|(seen, ..)| *seen == k) {
+                Some((_, count, _)) => *count += 1,
+                None => reasons.push((k, 1, d)),
+            }
+        }
+        const SHOWN: usize = 8;
+        for (_, count, first) in reasons.iter().take(SHOWN) {
+            let reason = &first.reason;
+            let at = match first.node {
+                Some(n) if *count > 1 => {
+                    format!(" (x{count}, first at node {n} `{}`)", first.module)
+                }
+                Some(n) => format!(" (at node {n} `{}`)", first.module),
+                None => String::new(),
+            };
+            say!("     declined: {reason}{at}");
+        }
+        if reasons.len() > SHOWN {
+            say!(
+                "     declined for {} more reasons (`--dump-dir` keeps each graph)",
+                reasons.len() - SHOWN
+            );
+        }
+    }
+}
+
+/// A metric as people read it: whole numbers whole, others to three decimals.
+fn short_number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v}")
+    } else {
+        format!("{v:.3}")
     }
 }
 

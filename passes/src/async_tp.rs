@@ -27,7 +27,8 @@ use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
 use graphtrain_ir::graph::{Meta, Node};
 use graphtrain_ir::stats::{comm_bytes, node_flops};
-use graphtrain_ir::{Collective, Graph, Op, ValueId};
+use graphtrain_ir::{BinaryOp, Collective, Graph, Op, ValueId};
+use std::collections::HashMap;
 
 pub const INFO: PassInfo = PassInfo {
     name: "async_tp",
@@ -176,9 +177,11 @@ enum Site {
         axis: usize,
         consumers: Vec<usize>,
     },
-    /// A matmul whose product only a reduce-scatter over tp reads.
+    /// A matmul whose product only a reduce-scatter over tp reads, or a sum of such matmuls
+    /// (backward's input gradient of `wq`, `wk` and `wv`): `tree` holds the matmuls and adds,
+    /// each read only by the next, in schedule order; the last produces the operand.
     Scatter {
-        matmul: usize,
+        tree: Vec<usize>,
         start: usize,
         wait: usize,
         axis: usize,
@@ -192,8 +195,8 @@ enum Role {
     GatherStart(usize),
     GatherWait,
     GatherConsumer(usize),
-    ScatterMatmul(usize),
-    ScatterStart,
+    ScatterRoot(usize),
+    Skip,
     ScatterWait(usize),
 }
 
@@ -253,6 +256,26 @@ to hide what chunking adds)",
                 accepted.push(site);
             }
         }
+        // A matmul that multiplies a pipelined all-gather's chunks is not also cut for a
+        // reduce-scatter (one chunking per node).
+        let gathered_by: Vec<usize> = accepted
+            .iter()
+            .flat_map(|s| match s {
+                Site::Gather { consumers, .. } => consumers.clone(),
+                Site::Scatter { .. } => Vec::new(),
+            })
+            .collect();
+        accepted.retain(|site| match site {
+            Site::Scatter { tree, start, .. } if tree.iter().any(|n| gathered_by.contains(n)) => {
+                report.decline(
+                    Some(*start),
+                    g.nodes[*start].meta.module.clone(),
+                    "its matmul already multiplies a pipelined all-gather's chunks",
+                );
+                false
+            }
+            _ => true,
+        });
         if accepted.is_empty() {
             if report.declined.is_empty() {
                 report.decline(
@@ -270,9 +293,12 @@ over tp",
             .count();
         let scatters = accepted.len() - gathers;
         let out = self.rewrite(g, &accepted)?;
+        let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
         report.change(format!(
-            "pipelined {gathers} all-gathers and {scatters} reduce-scatters over tp with their \
-matmuls in {} chunks; predicted gain {:.1} µs per step",
+            "pipelined {} and {} over tp with their matmuls in {} chunks; predicted gain {:.1} \
+µs per step",
+            plural(gathers, "all-gather"),
+            plural(scatters, "reduce-scatter"),
             self.chunks,
             gain_s * 1e6
         ));
@@ -293,17 +319,6 @@ impl AsyncTp {
     ) -> Result<Vec<Site>, PassError> {
         let users = g.users();
         let producers = g.producers();
-        let is_output = |v: ValueId| g.outputs.iter().any(|o| o.value == v);
-        // `node` multiplies `rows` (split along `axis`) by a matrix: each row of its product
-        // depends on that row alone.
-        let multiplies_rows = |node: usize, rows: ValueId, axis: usize| {
-            let n = &g.nodes[node];
-            matches!(n.op, Op::Matmul)
-                && n.inputs[0] == rows
-                && n.inputs[1] != rows
-                && g.ty(n.inputs[1]).rank() == 2
-                && axis + 1 < g.ty(rows).rank()
-        };
         let mut sites = Vec::new();
         for (i, node) in g.nodes.iter().enumerate() {
             let Op::CollectiveStart {
@@ -328,7 +343,7 @@ impl AsyncTp {
                     let consumers: Vec<usize> = users[gathered.index()]
                         .iter()
                         .copied()
-                        .filter(|&u| multiplies_rows(u, gathered, axis))
+                        .filter(|&u| multiplies_rows(g, u, gathered, axis))
                         .collect();
                     if consumers.is_empty() {
                         report.decline(
@@ -348,29 +363,21 @@ impl AsyncTp {
                     });
                 }
                 Collective::ReduceScatter { axis, .. } => {
-                    let product = node.inputs[0];
-                    let matmul = match producers[product.index()] {
-                        Some(m)
-                            if multiplies_rows(m, g.nodes[m].inputs[0], axis)
-                                && users[product.index()] == [i]
-                                && !is_output(product) =>
-                        {
-                            m
-                        }
-                        _ => {
-                            report.decline(
-                                Some(i),
-                                module,
-                                "this reduce-scatter's operand is not a matmul's rows read only \
-by it",
-                            );
-                            continue;
-                        }
-                    };
+                    let mut tree = Vec::new();
+                    let legal = row_sum(g, &producers, &users, node.inputs[0], i, axis, &mut tree);
+                    if !legal {
+                        report.decline(
+                            Some(i),
+                            module,
+                            "this reduce-scatter's operand is not a matmul's rows (or a sum of \
+them) read only by it",
+                        );
+                        continue;
+                    }
                     let rows = g.ty(g.nodes[wait].outputs[0]).shape[axis];
                     self.check_divides(rows, axis, i, &module, "reduce-scatter")?;
                     sites.push(Site::Scatter {
-                        matmul,
+                        tree,
                         start: i,
                         wait,
                         axis,
@@ -410,7 +417,13 @@ rank along axis {axis}, which {} chunks do not divide",
             Site::Gather {
                 start, consumers, ..
             } => (*start, consumers.clone()),
-            Site::Scatter { start, matmul, .. } => (*start, vec![*matmul]),
+            Site::Scatter { start, tree, .. } => (
+                *start,
+                tree.iter()
+                    .copied()
+                    .filter(|&n| matches!(g.nodes[n].op, Op::Matmul))
+                    .collect(),
+            ),
         };
         let node = &g.nodes[start];
         let (collective, group) = match &node.op {
@@ -429,11 +442,15 @@ rank along axis {axis}, which {} chunks do not divide",
                 bytes(node.inputs[0]) + products,
                 k * 3.0 - 2.0 + matmuls.len() as f64 * (2.0 * k + 1.0),
             ),
-            // The rows of each chunk gathered from the matmul's operand; the results joined;
-            // per chunk a slice, a reshape, a matmul, a start and a wait.
-            Site::Scatter { matmul, .. } => (
-                bytes(g.nodes[*matmul].inputs[0]) + products / group as f64,
-                5.0 * k - 2.0,
+            // The rows of each chunk gathered from the matmuls' operands; the results joined;
+            // per chunk and matmul a slice, a reshape and a matmul, and a start and a wait.
+            Site::Scatter { .. } => (
+                matmuls
+                    .iter()
+                    .map(|&m| bytes(g.nodes[m].inputs[0]))
+                    .sum::<f64>()
+                    + products / matmuls.len() as f64 / group as f64,
+                k * (3.0 * matmuls.len() as f64 + 2.0) - 2.0,
             ),
         };
         SiteCost {
@@ -462,13 +479,13 @@ rank along axis {axis}, which {} chunks do not divide",
                     }
                 }
                 Site::Scatter {
-                    matmul,
-                    start,
-                    wait,
-                    ..
+                    tree, start, wait, ..
                 } => {
-                    roles[*matmul] = Role::ScatterMatmul(s);
-                    roles[*start] = Role::ScatterStart;
+                    for &n in tree {
+                        roles[n] = Role::Skip;
+                    }
+                    roles[*tree.last().expect("a tree has a root")] = Role::ScatterRoot(s);
+                    roles[*start] = Role::Skip;
                     roles[*wait] = Role::ScatterWait(s);
                 }
             }
@@ -484,6 +501,7 @@ rank along axis {axis}, which {} chunks do not divide",
             arrived: vec![Vec::new(); sites.len()],
             whole: vec![None; sites.len()],
         };
+        let producers = g.producers();
         // The gathered value of each gather site, to find its readers.
         let mut gathered_site = vec![None; g.values.len()];
         for (s, site) in sites.iter().enumerate() {
@@ -494,7 +512,7 @@ rank along axis {axis}, which {} chunks do not divide",
         for (i, node) in g.nodes.iter().enumerate() {
             match roles[i] {
                 Role::GatherStart(s) => e.start_gather(g, node, s)?,
-                Role::GatherWait | Role::ScatterStart => {}
+                Role::GatherWait | Role::Skip => {}
                 Role::GatherConsumer(s) => {
                     let Site::Gather { axis, .. } = sites[s] else {
                         unreachable!()
@@ -508,7 +526,7 @@ rank along axis {axis}, which {} chunks do not divide",
                     let joined = e.join_gathered(&products, axis, g, &sites[s], &node.meta)?;
                     e.map[node.outputs[0].index()] = joined;
                 }
-                Role::ScatterMatmul(s) => e.scatter_chunks(g, &sites[s], s)?,
+                Role::ScatterRoot(s) => e.scatter_chunks(g, &producers, &sites[s], s)?,
                 Role::ScatterWait(s) => {
                     let Site::Scatter { axis, .. } = sites[s] else {
                         unreachable!()
@@ -697,11 +715,17 @@ impl Emitter {
         self.add(Op::Reshape { shape: whole }, vec![joined], meta)
     }
 
-    /// At the matmul: for each chunk, the rows that become block k of every rank's result,
-    /// their product, and its reduce-scatter.
-    fn scatter_chunks(&mut self, g: &Graph, site: &Site, s: usize) -> Result<(), PassError> {
+    /// At the root of the sum: for each chunk, the rows that become block k of every rank's
+    /// result, their products summed as before, and the sum's reduce-scatter.
+    fn scatter_chunks(
+        &mut self,
+        g: &Graph,
+        producers: &[Option<usize>],
+        site: &Site,
+        s: usize,
+    ) -> Result<(), PassError> {
         let Site::Scatter {
-            matmul,
+            ref tree,
             start,
             wait,
             axis,
@@ -713,46 +737,123 @@ impl Emitter {
             Op::CollectiveStart { group, .. } => group,
             _ => unreachable!(),
         };
-        let mm = &g.nodes[matmul];
-        let lhs = self.map[mm.inputs[0].index()];
-        let rhs = self.map[mm.inputs[1].index()];
         let per_rank = g.ty(g.nodes[wait].outputs[0]).shape[axis];
-        let rows = per_rank / self.chunks;
-        let mut split = g.ty(mm.inputs[0]).shape.clone();
-        split.splice(axis..=axis, [ranks, per_rank]);
-        let by_rank = self.add(
-            Op::Reshape {
-                shape: split.clone(),
-            },
-            vec![lhs],
-            &mm.meta,
-        )?;
-        let mut chunk_shape = split;
-        chunk_shape.splice(axis..=axis + 1, [ranks * rows]);
+        let mut rows = RowChunks {
+            axis,
+            ranks,
+            per_rank,
+            rows: per_rank / self.chunks,
+            by_rank: HashMap::new(),
+        };
+        let root = g.nodes[*tree.last().expect("a tree has a root")].outputs[0];
         for c in 0..self.chunks {
-            let block = self.add(
-                Op::Slice {
-                    axis: axis + 1,
-                    start: c * rows,
-                    end: (c + 1) * rows,
-                },
-                vec![by_rank],
-                &mm.meta,
-            )?;
-            let chunk_rows = self.add(
-                Op::Reshape {
-                    shape: chunk_shape.clone(),
-                },
-                vec![block],
-                &mm.meta,
-            )?;
-            let product = self.add(Op::Matmul, vec![chunk_rows, rhs], &mm.meta)?;
+            let sum = self.chunk_of(g, producers, root, c, &mut rows)?;
             let meta = &g.nodes[start].meta;
-            let handle = self.add(g.nodes[start].op.clone(), vec![product], meta)?;
+            let handle = self.add(g.nodes[start].op.clone(), vec![sum], meta)?;
             self.handles[s].push(handle);
         }
         Ok(())
     }
+
+    /// Chunk `c` of `v`, a matmul's product or a sum of them, computed from chunk `c` of the
+    /// matmuls' rows.
+    fn chunk_of(
+        &mut self,
+        g: &Graph,
+        producers: &[Option<usize>],
+        v: ValueId,
+        c: usize,
+        rows: &mut RowChunks,
+    ) -> Result<ValueId, PassError> {
+        let node = &g.nodes[producers[v.index()].expect("a tree value has a producer")];
+        if let Op::Binary(BinaryOp::Add) = node.op {
+            let a = self.chunk_of(g, producers, node.inputs[0], c, rows)?;
+            let b = self.chunk_of(g, producers, node.inputs[1], c, rows)?;
+            return self.add(node.op.clone(), vec![a, b], &node.meta);
+        }
+        let lhs = node.inputs[0];
+        let by_rank = match rows.by_rank.get(&lhs) {
+            Some(&v) => v,
+            None => {
+                let mut split = g.ty(lhs).shape.clone();
+                split.splice(rows.axis..=rows.axis, [rows.ranks, rows.per_rank]);
+                let mapped = self.map[lhs.index()];
+                let v = self.add(Op::Reshape { shape: split }, vec![mapped], &node.meta)?;
+                rows.by_rank.insert(lhs, v);
+                v
+            }
+        };
+        let block = self.add(
+            Op::Slice {
+                axis: rows.axis + 1,
+                start: c * rows.rows,
+                end: (c + 1) * rows.rows,
+            },
+            vec![by_rank],
+            &node.meta,
+        )?;
+        let mut shape = g.ty(lhs).shape.clone();
+        shape[rows.axis] = rows.ranks * rows.rows;
+        let chunk_rows = self.add(Op::Reshape { shape }, vec![block], &node.meta)?;
+        let rhs = self.map[node.inputs[1].index()];
+        self.add(Op::Matmul, vec![chunk_rows, rhs], &node.meta)
+    }
+}
+
+/// How a reduce-scatter site's rows split into chunks, and each matmul operand already split
+/// into (rank, row) blocks.
+struct RowChunks {
+    axis: usize,
+    ranks: usize,
+    per_rank: usize,
+    rows: usize,
+    by_rank: HashMap<ValueId, ValueId>,
+}
+
+/// `node` multiplies `rows` (split along `axis`) by a matrix: each row of its product depends
+/// on that row alone.
+fn multiplies_rows(g: &Graph, node: usize, rows: ValueId, axis: usize) -> bool {
+    let n = &g.nodes[node];
+    matches!(n.op, Op::Matmul)
+        && n.inputs[0] == rows
+        && n.inputs[1] != rows
+        && g.ty(n.inputs[1]).rank() == 2
+        && axis + 1 < g.ty(rows).rank()
+}
+
+/// Whether `v`, read only by node `reader`, is a matmul's product over rows split along
+/// `axis`, or a sum of such; pushes the nodes computing it onto `tree` in schedule order.
+fn row_sum(
+    g: &Graph,
+    producers: &[Option<usize>],
+    users: &[Vec<usize>],
+    v: ValueId,
+    reader: usize,
+    axis: usize,
+    tree: &mut Vec<usize>,
+) -> bool {
+    let Some(p) = producers[v.index()] else {
+        return false;
+    };
+    if users[v.index()] != [reader] || g.outputs.iter().any(|o| o.value == v) {
+        return false;
+    }
+    let node = &g.nodes[p];
+    let legal = match node.op {
+        Op::Matmul => multiplies_rows(g, p, node.inputs[0], axis),
+        Op::Binary(BinaryOp::Add) => {
+            let (a, b) = (node.inputs[0], node.inputs[1]);
+            a != b
+                && g.ty(a) == g.ty(b)
+                && row_sum(g, producers, users, a, p, axis, tree)
+                && row_sum(g, producers, users, b, p, axis, tree)
+        }
+        _ => false,
+    };
+    if legal {
+        tree.push(p);
+    }
+    legal
 }
 
 #[cfg(test)]
@@ -789,11 +890,34 @@ mod tests {
         insta::assert_snapshot!(check(&pass("chunks:2;gate:off"), TP_BLOCK));
     }
 
+    /// Backward's input gradient of two column-parallel weights is a sum of two row matmuls
+    /// before its reduce-scatter: both are cut, and the chunks summed in the same order.
+    #[test]
+    fn a_sum_of_matmuls_is_cut_before_its_reduce_scatter() {
+        let out = check(
+            &pass("chunks:2;gate:off"),
+            "graph g {
+  mesh tp=2
+  input %x: f32[2,8,6] @ [shard(2)]
+  input %y: f32[2,8,6] @ [shard(2)]
+  param %v: f32[6,8] @ [shard(0)]
+  param %u: f32[6,8] @ [shard(0)]
+  %4: f32[2,8,8] = matmul(%x, %v)  # bwd a.v
+  %5: f32[2,8,8] = matmul(%y, %u)  # bwd a.u
+  %6: f32[2,8,8] = add(%4, %5)  # bwd a
+  %7: f32[2,4,8] = reduce_scatter_start(%6, mesh_dims=[0], group=2, axis=1, reduce=sum)  # bwd a
+  %8: f32[2,4,8] = wait(%7)  # bwd a
+  output dx = %8 @ [shard(1)]
+}",
+        );
+        insta::assert_snapshot!(out);
+    }
+
     /// On shared memory these tensors are far too small to hide anything: the gate declines
     /// each site with its predicted loss, and the graph is unchanged.
     #[test]
     fn the_gate_declines_where_chunking_costs_more_than_it_hides() {
-        let out = check(&AsyncTp::default(), TP_BLOCK.replace("chunks", "").as_str());
+        let out = check(&AsyncTp::default(), TP_BLOCK);
         assert!(out.contains("// no change"), "{out}");
         assert_eq!(
             out.matches("the cost gate predicts 4 chunks lose").count(),
@@ -804,7 +928,7 @@ mod tests {
         let slow = pass("chunks:2;link:0.001:1;gflops:0.001");
         let out = check(&slow, TP_BLOCK);
         assert!(
-            out.contains("pipelined 1 all-gathers and 1 reduce-scatters"),
+            out.contains("pipelined 1 all-gather and 1 reduce-scatter"),
             "{out}"
         );
     }
