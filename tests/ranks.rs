@@ -186,6 +186,38 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise_on_threads() {
     }
 }
 
+/// `async_tp` is tier 1 on the compiled CPU kernels too: a matmul's row does not depend on the
+/// other rows, and the chunks' reductions add the ranks in the same order.
+#[test]
+fn async_tp_keeps_the_tensor_parallel_step_bitwise_on_threads() {
+    for mesh in ["tp=2", "dp_shard=2,tp=2"] {
+        let plain = train(Some(mesh));
+        for list in [
+            "async_tp=chunks:2;gate:off",
+            "ac,async_tp=chunks:4;gate:off",
+        ] {
+            let mut pipeline = PipelineSpec::parse_list(list)
+                .unwrap()
+                .build(&Registry::builtin())
+                .unwrap();
+            pipeline.verify_each = true;
+            let t = trainer_with(Some(mesh), &pipeline);
+            let record = t.passes.iter().find(|r| r.pass == "async_tp").unwrap();
+            assert!(
+                !record.report.changes.is_empty(),
+                "{mesh} {list}: {}",
+                record.report
+            );
+            drop(t);
+            assert_bitwise(
+                &format!("{mesh} {list}"),
+                &train_with(Some(mesh), &pipeline),
+                &plain,
+            );
+        }
+    }
+}
+
 #[test]
 fn a_mesh_checkpoint_resumes_on_one_device_and_back() {
     let run = RunIdentity::new(&tiny(), 0, DataMode::Fixed, &OptimConfig::default());

@@ -25,7 +25,7 @@
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
-use graphtrain_ir::graph::{Meta, Node};
+use graphtrain_ir::graph::{Meta, Node, Phase};
 use graphtrain_ir::stats::{comm_bytes, node_flops};
 use graphtrain_ir::{BinaryOp, Collective, Graph, Op, ValueId};
 use std::collections::HashMap;
@@ -500,6 +500,7 @@ rank along axis {axis}, which {} chunks do not divide",
             handles: vec![Vec::new(); sites.len()],
             arrived: vec![Vec::new(); sites.len()],
             whole: vec![None; sites.len()],
+            phase: Phase::Forward,
         };
         let producers = g.producers();
         // The gathered value of each gather site, to find its readers.
@@ -510,6 +511,7 @@ rank along axis {axis}, which {} chunks do not divide",
             }
         }
         for (i, node) in g.nodes.iter().enumerate() {
+            e.phase = node.meta.phase;
             match roles[i] {
                 Role::GatherStart(s) => e.start_gather(g, node, s)?,
                 Role::GatherWait | Role::Skip => {}
@@ -588,16 +590,22 @@ struct Emitter {
     arrived: Vec<Vec<ValueId>>,
     /// Per gather site, the gathered tensor reassembled, once a reader needed it whole.
     whole: Vec<Option<ValueId>>,
+    /// The phase of the input-graph node being rewritten.
+    phase: Phase,
 }
 
 impl Emitter {
+    /// Appends a node with `meta`, in the phase of the input-graph node being rewritten: a wait
+    /// or a reassembly emitted for a backward reader of a forward gather belongs to backward.
     fn add(&mut self, op: Op, inputs: Vec<ValueId>, meta: &Meta) -> Result<ValueId, PassError> {
-        self.out
-            .push1(op, inputs, meta.clone())
-            .map_err(|e| PassError {
-                pass: INFO.name.into(),
-                message: format!("a chunked node does not type-check: {e:?}"),
-            })
+        let meta = Meta {
+            phase: self.phase,
+            ..meta.clone()
+        };
+        self.out.push1(op, inputs, meta).map_err(|e| PassError {
+            pass: INFO.name.into(),
+            message: format!("a chunked node does not type-check: {e:?}"),
+        })
     }
 
     /// At the all-gather's start: slice block k of the rank's rows and start gathering it.
@@ -876,7 +884,7 @@ mod tests {
   %7: f32[2,8,8] = matmul(%6, %v)  # fwd row.v
   %8: f32[2,4,8] = reduce_scatter_start(%7, mesh_dims=[0], group=2, axis=1, reduce=sum)  # fwd row
   %9: f32[2,4,8] = wait(%8)  # fwd row
-  %10: f32[16,8] = reshape(%4, shape=[16,8])  # fwd col
+  %10: f32[16,8] = reshape(%4, shape=[16,8])  # bwd col
   output y = %9 @ [shard(1)]
   output z = %10 @ [replicate]
 }";
