@@ -503,6 +503,9 @@ rank along axis {axis}, which {} chunks do not divide",
             phase: Phase::Forward,
         };
         let producers = g.producers();
+        // Nodes already emitted ahead of their place: a consumer multiplied with the first
+        // one, and the node computing its matrix.
+        let mut emitted_early = vec![false; g.nodes.len()];
         // The gathered value of each gather site, to find its readers.
         let mut gathered_site = vec![None; g.values.len()];
         for (s, site) in sites.iter().enumerate() {
@@ -515,18 +518,60 @@ rank along axis {axis}, which {} chunks do not divide",
             match roles[i] {
                 Role::GatherStart(s) => e.start_gather(g, node, s)?,
                 Role::GatherWait | Role::Skip => {}
+                Role::Keep if emitted_early[i] => {}
+                Role::GatherConsumer(_) if emitted_early[i] => {}
                 Role::GatherConsumer(s) => {
-                    let Site::Gather { axis, .. } = sites[s] else {
+                    let Site::Gather {
+                        axis,
+                        ref consumers,
+                        ..
+                    } = sites[s]
+                    else {
                         unreachable!()
                     };
-                    let mut products = Vec::with_capacity(k);
+                    // Every consumer whose matrix exists by now (or is one node away from the
+                    // inputs, such as a weight's transpose, moved up) multiplies each chunk as
+                    // it arrives, so that all their compute overlaps the next chunk's transfer.
+                    let mut ready = vec![i];
+                    for &j in consumers.iter().filter(|&&j| j > i) {
+                        let matrix = g.nodes[j].inputs[1];
+                        let available = |v: ValueId| producers[v.index()].is_none_or(|p| p < i);
+                        match producers[matrix.index()] {
+                            Some(p) if p > i => {
+                                let from = &g.nodes[p];
+                                let movable = from.meta.phase == node.meta.phase
+                                    && roles[p] == Role::Keep
+                                    && !matches!(from.op, Op::CollectiveStart { .. } | Op::Wait)
+                                    && from.inputs.iter().all(|&v| available(v));
+                                if !movable {
+                                    continue;
+                                }
+                                let inputs = from.inputs.iter().map(|v| e.map[v.index()]).collect();
+                                e.out.nodes.push(Node {
+                                    inputs,
+                                    ..from.clone()
+                                });
+                                emitted_early[p] = true;
+                            }
+                            _ => {}
+                        }
+                        ready.push(j);
+                    }
+                    let mut products = vec![Vec::with_capacity(k); ready.len()];
                     for c in 0..k {
                         let rows = e.arrived_chunk(g, &sites[s], s, c)?;
-                        let weight = e.map[node.inputs[1].index()];
-                        products.push(e.add(Op::Matmul, vec![rows, weight], &node.meta)?);
+                        for (r, &j) in ready.iter().enumerate() {
+                            let matrix = e.map[g.nodes[j].inputs[1].index()];
+                            let meta = &g.nodes[j].meta;
+                            products[r].push(e.add(Op::Matmul, vec![rows, matrix], meta)?);
+                        }
                     }
-                    let joined = e.join_gathered(&products, axis, g, &sites[s], &node.meta)?;
-                    e.map[node.outputs[0].index()] = joined;
+                    for (r, &j) in ready.iter().enumerate() {
+                        let meta = &g.nodes[j].meta;
+                        let joined = e.join_gathered(&products[r], axis, g, &sites[s], meta)?;
+                        e.map[g.nodes[j].outputs[0].index()] = joined;
+                        emitted_early[j] = true;
+                    }
                 }
                 Role::ScatterRoot(s) => e.scatter_chunks(g, &producers, &sites[s], s)?,
                 Role::ScatterWait(s) => {
@@ -896,6 +941,30 @@ mod tests {
     #[test]
     fn gathers_and_scatters_pipeline_in_chunks() {
         insta::assert_snapshot!(check(&pass("chunks:2;gate:off"), TP_BLOCK));
+    }
+
+    /// Two matmuls read the gathered rows (`wq` and `wk`): the second's weight transpose moves
+    /// up, and both multiply each chunk as it arrives.
+    #[test]
+    fn every_consumer_multiplies_each_chunk_as_it_arrives() {
+        let out = check(
+            &pass("chunks:2;gate:off"),
+            "graph g {
+  mesh tp=2
+  input %x: f32[2,4,8] @ [shard(1)]
+  param %w: f32[6,8] @ [shard(0)]
+  param %u: f32[6,8] @ [shard(0)]
+  %3: f32[2,8,8] = all_gather_start(%x, mesh_dims=[0], group=2, axis=1)  # fwd attn
+  %4: f32[2,8,8] = wait(%3)  # fwd attn
+  %5: f32[8,6] = transpose(%w, perm=[1,0])  # fwd attn.wq
+  %6: f32[2,8,6] = matmul(%4, %5)  # fwd attn.wq
+  %7: f32[8,6] = transpose(%u, perm=[1,0])  # fwd attn.wk
+  %8: f32[2,8,6] = matmul(%4, %7)  # fwd attn.wk
+  %9: f32[2,8,6] = mul(%6, %8)  # fwd attn
+  output y = %9 @ [shard(2)]
+}",
+        );
+        insta::assert_snapshot!(out);
     }
 
     /// Backward's input gradient of two column-parallel weights is a sum of two row matmuls
