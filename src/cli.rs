@@ -308,7 +308,9 @@ pub struct PassArgs {
 }
 
 impl PassArgs {
-    fn pipeline(&self, registry: &Registry) -> Result<Pipeline, String> {
+    /// The pipeline; `tp_link` is `--link`'s tp entry, which `async_tp`'s cost gate assumes
+    /// unless its option names a link.
+    fn pipeline(&self, registry: &Registry, tp_link: Option<&str>) -> Result<Pipeline, String> {
         let mut spec = match &self.pipeline {
             Some(path) => PipelineSpec::from_ron_file(path)?,
             None => PipelineSpec::parse_list(&self.passes)?,
@@ -316,6 +318,7 @@ impl PassArgs {
         for name in &self.disable_pass {
             spec.disable(name, registry)?;
         }
+        gate_async_tp_on(&mut spec, tp_link);
         let mut pipeline = spec.build(registry)?;
         pipeline.verify_each |= self.verify_each;
         pipeline.dump_dir = self.dump_dir.clone();
@@ -661,7 +664,8 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
 impl TrainArgs {
     /// Validates the flags, builds the step through the pipeline and initializes the trainer.
     fn setup(&self, registry: &Registry) -> Result<Setup, String> {
-        self.setup_with(self.passes.pipeline(registry)?)
+        let tp_link = tp_link(self.mesh.link.as_deref());
+        self.setup_with(self.passes.pipeline(registry, tp_link.as_deref())?)
     }
 
     /// The batches' source; for text, also a line saying what was read, cached and split.
@@ -1105,6 +1109,28 @@ fn gib(bytes: usize) -> String {
     }
 }
 
+/// The `GBPS:LATENCY_US` that `--link` gives `tp`, if any (checked with the mesh later).
+fn tp_link(link: Option<&str>) -> Option<String> {
+    link?.split(',').find_map(|item| {
+        let (dim, link) = item.split_once('=')?;
+        (dim.trim() == "tp").then(|| link.trim().to_string())
+    })
+}
+
+/// An `async_tp` without a `link:` option gates on the emulated tp link the run will have.
+fn gate_async_tp_on(spec: &mut PipelineSpec, tp_link: Option<&str>) {
+    let Some(link) = tp_link else {
+        return;
+    };
+    for pass in spec.passes.iter_mut().filter(|p| p.name == "async_tp") {
+        pass.option = match pass.option.take() {
+            Some(o) if o.contains("link:") => Some(o),
+            Some(o) => Some(format!("{o};link:{link}")),
+            None => Some(format!("link:{link}")),
+        };
+    }
+}
+
 /// `--link` as text: a link per mesh dimension it names.
 fn parse_links(
     text: &str,
@@ -1168,7 +1194,7 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         cfg.batch = batch;
     }
     let optim = a.optim.config()?;
-    let pipeline = a.passes.pipeline(registry)?;
+    let pipeline = a.passes.pipeline(registry, None)?;
     let t0 = Instant::now();
     let traced = match &a.mesh {
         None => build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?,
@@ -1855,8 +1881,12 @@ fn write_json(path: Option<&Path>, summary: &impl serde::Serialize) -> Result<()
 
 /// `bench --against`: the baseline (`--passes`) and the candidate step, timed in pairs.
 fn bench_paired(a: &BenchArgs, against: &str, registry: &Registry) -> Result<(), String> {
+    let tp_link = tp_link(a.train.mesh.link.as_deref());
     let mut candidate_pipeline = PipelineSpec::parse_list(against)
-        .and_then(|spec| spec.build(registry))
+        .and_then(|mut spec| {
+            gate_async_tp_on(&mut spec, tp_link.as_deref());
+            spec.build(registry)
+        })
         .map_err(|e| format!("--against: {e}"))?;
     candidate_pipeline.verify_each |= a.train.passes.verify_each;
     let baseline_label = match &a.train.passes.pipeline {

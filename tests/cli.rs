@@ -707,6 +707,68 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
     }
 }
 
+/// `run --passes ac,async_tp`, the command the product is named by: without a mesh it trains
+/// and says that `async_tp` had no tp dimension to act on; on `dp_shard=2,tp=2` with an emulated
+/// link it pipelines (the gate reads `--link`'s tp entry) and trains to the same losses; a bad
+/// option or a chunk count the shapes do not divide is refused naming the pass and the option.
+#[test]
+fn run_with_ac_and_async_tp_trains_with_and_without_tp() {
+    let base = ["run", "--config", "tiny", "--steps", "3", "--data", "fixed"];
+    let plain = graphtrain(&base);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let o = graphtrain(&[&base[..], &["--passes", "ac,async_tp"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("pass async_tp"), "{out}");
+    assert!(
+        out.contains("declined: the graph has no mesh, so no tp dimension to act on"),
+        "{out}"
+    );
+    assert_eq!(step_losses(&out), step_losses(&stdout(&plain)));
+    let mesh = [&base[..], &["--mesh", "dp_shard=2,tp=2"]].concat();
+    let without = graphtrain(&mesh);
+    assert!(without.status.success(), "{}", stderr(&without));
+    let o = graphtrain(&[&mesh[..], &["--passes", "ac,async_tp=chunks:2;gate:off"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("pipelined") && out.contains("over tp with their matmuls in 2 chunks"),
+        "{out}"
+    );
+    assert_eq!(step_losses(&out), step_losses(&stdout(&without)));
+    // tiny's matmuls are too small to hide anything behind: the gate declines every site, on
+    // the link `--link` gives tp.
+    let o = graphtrain(
+        &[
+            &mesh[..],
+            &["--link", "tp=0.5:20", "--passes", "ac,async_tp"],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("declined: the cost gate predicts 2 chunks lose")
+            && out.contains("on a 0.5 GB/s, 20 µs link"),
+        "{out}"
+    );
+    for (option, needles) in [
+        ("async_tp=chunks:0", vec!["async_tp", "`chunks:0`", ">= 2"]),
+        ("async_tp=ring", vec!["async_tp", "unknown option `ring`"]),
+        (
+            "async_tp=chunks:3;gate:off",
+            vec![
+                "(`async_tp`)",
+                "option chunks:3",
+                "which 3 chunks do not divide",
+            ],
+        ),
+    ] {
+        let o = graphtrain(&[&mesh[..], &["--passes", option]].concat());
+        assert_clean_error(&o, &needles);
+    }
+}
+
 #[test]
 fn a_mesh_run_writes_one_timeline_per_rank() {
     let dir = scratch_dir("ranks");

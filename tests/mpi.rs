@@ -340,3 +340,89 @@ fn only_what_the_manifest_commits_is_a_sharded_checkpoint() {
         "{e}"
     );
 }
+
+/// The step a sharded checkpoint's manifest commits, if there is one.
+fn committed_step(ckpt: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(ckpt.join("manifest.json")).ok()?;
+    let manifest: serde_json::Value = serde_json::from_str(&text).ok()?;
+    manifest["steps_done"].as_u64()
+}
+
+/// SIGKILL one of two ranks while a save is under way: rank 1 is stopped as soon as a later
+/// step's folder appears and, if the manifest still names the earlier save, killed (else let go
+/// and caught at the next save). OpenMPI ends the job; the manifest still commits the earlier
+/// save whole, the later folder is left uncommitted and never read, and the run resumes.
+#[test]
+fn a_rank_killed_mid_save_leaves_the_last_committed_checkpoint() {
+    let _job = one_job();
+    let dir = scratch("killed");
+    let ckpt = dir.join("ckpt");
+    let mut c = mpirun(2);
+    c.arg(BIN)
+        .args(train_args("1000000", "dp_shard=2"))
+        .args([
+            "--launcher",
+            "mpi",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint",
+        ])
+        .arg(&ckpt)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut job = c.spawn().expect("mpirun starts");
+    let signal = |sig: &str, pid: u32| {
+        let sent = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {sig} {pid}");
+    };
+    let t = Instant::now();
+    let committed = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no save was caught under way"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+        let Some(step) = committed_step(&ckpt) else {
+            continue;
+        };
+        if step < 2 || !ckpt.join(sharded::folder(step + 1)).exists() {
+            continue;
+        }
+        // The next save has begun. Stop rank 1; if the save did not commit before it stopped,
+        // it cannot commit now (the commit needs every rank's word): kill rank 1 mid-save.
+        let pids = rank_pids();
+        let &(_, pid) = pids.iter().find(|(r, _)| *r == 1).expect("rank 1 runs");
+        signal("-STOP", pid);
+        std::thread::sleep(Duration::from_millis(200));
+        if committed_step(&ckpt) == Some(step) {
+            signal("-KILL", pid);
+            break step;
+        }
+        signal("-CONT", pid);
+    };
+    let status = job.wait().unwrap();
+    assert!(!status.success(), "the job went on after rank 1 died");
+    let after = sharded::load(&ckpt).unwrap_or_else(|e| panic!("no checkpoint left: {e}"));
+    assert_eq!(
+        after.header.steps_done, committed,
+        "the committed save changed"
+    );
+    assert!(
+        ckpt.join(sharded::folder(committed + 1)).exists(),
+        "the save under way left its folder, uncommitted"
+    );
+    let on = format!("{}", committed + 1);
+    let resumed = output({
+        let mut c = Command::new(BIN);
+        c.args([
+            "run", "--config", "tiny", "--data", "fixed", "--steps", &on, "--resume",
+        ])
+        .arg(&ckpt);
+        c
+    });
+    assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    assert_eq!(step_lines(&text(&resumed.stdout)).len(), 1);
+}

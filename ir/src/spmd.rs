@@ -182,6 +182,18 @@ fn keep_shard_on(p: Placement, free: &[usize], what: &str) -> Result<Placement, 
 /// the outermost of the dimensions merged into one, or splits into dimensions of which the
 /// outermost carries the block. `None` for any other regrouping.
 fn reshape_dim(from: &[usize], to: &[usize], d: usize) -> Option<usize> {
+    let keeps_block_at = |j: usize| {
+        let product_from = |k: usize| from[d..(d + k).min(from.len())].iter().product::<usize>();
+        let product_to = |k: usize| to[j..(j + k).min(to.len())].iter().product::<usize>();
+        let merged = (1..=from.len() - d).any(|k| product_from(k) == to[j]);
+        let split = (1..=to.len() - j).any(|k| product_to(k) == from[d]);
+        merged || split
+    };
+    // Where the dimensions before `d` are unchanged, `d` stays at its place: local dimensions
+    // of size 1 before it (one batch row per rank) do not make an earlier one the split one.
+    if d < to.len() && to[..d] == from[..d] && keeps_block_at(d) {
+        return Some(d);
+    }
     let before: usize = from[..d].iter().product();
     let mut prefix = 1;
     let j = (0..to.len()).find(|&j| {
@@ -190,11 +202,7 @@ fn reshape_dim(from: &[usize], to: &[usize], d: usize) -> Option<usize> {
         prefix *= to[j];
         here
     })?;
-    let product_from = |k: usize| from[d..(d + k).min(from.len())].iter().product::<usize>();
-    let product_to = |k: usize| to[j..(j + k).min(to.len())].iter().product::<usize>();
-    let merged = (1..=from.len() - d).any(|k| product_from(k) == to[j]);
-    let split = (1..=to.len() - j).any(|k| product_to(k) == from[d]);
-    (merged || split).then_some(j)
+    keeps_block_at(j).then_some(j)
 }
 
 fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&TensorType]) -> Rule {
@@ -396,5 +404,36 @@ fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&Tenso
         },
         Op::Gather { .. } | Op::ScatterAdd { .. } => Ok(None),
         Op::ToPartial { .. } => unreachable!("node_rule places to_partial itself"),
+    }
+}
+
+#[cfg(test)]
+mod reshape_tests {
+    use super::reshape_dim;
+
+    /// Where a split dimension goes through a reshape, including the cases size-1 dimensions
+    /// make ambiguous: a kept prefix keeps the split dimension where it was.
+    #[test]
+    fn split_dimension_through_reshapes() {
+        for (from, to, d, want) in [
+            // A rank axis of local size 1 inserted before the rows, with one batch row.
+            (&[1, 8, 32][..], &[1, 1, 8, 32][..], 1, Some(1)),
+            (&[2, 8, 32][..], &[2, 1, 8, 32][..], 1, Some(1)),
+            // An identity reshape keeps the split where it is, size-1 dimensions or not.
+            (&[2, 1, 8][..], &[2, 1, 8][..], 2, Some(2)),
+            // A dropped leading size-1 dimension.
+            (&[1, 8, 32][..], &[8, 32][..], 1, Some(0)),
+            // Merged as the outermost, and split with the block on the outer part.
+            (&[8, 4][..], &[32][..], 0, Some(0)),
+            (&[4, 8][..], &[4, 2, 4][..], 1, Some(1)),
+            // The split dimension merged as an inner one: not one block per rank.
+            (&[4, 8][..], &[32][..], 1, None),
+        ] {
+            assert_eq!(
+                reshape_dim(from, to, d),
+                want,
+                "{from:?} -> {to:?}, dim {d}"
+            );
+        }
     }
 }
