@@ -655,36 +655,64 @@ values, {} as the trainer's f64 host copies, and {} is available",
     pub fn step(&mut self) -> Result<StepMetrics, TrainError> {
         let m = &self.model;
         let step_no = self.steps_done + 1;
+        let tokens = m.batch * m.seq_len;
+        let held = self.ranks.held_rank();
+        let graph = &self.graph;
+        // A rank held alone (MPI, fake) reads only its block of the batch: the rows its
+        // data-parallel coordinates hold and, under sequence parallelism, its positions.
+        let blocks: Vec<Option<Vec<std::ops::Range<usize>>>> = graph
+            .inputs
+            .iter()
+            .zip(&self.feeds)
+            .map(
+                |(input, feed)| match (held, &graph.mesh, &input.placement, feed) {
+                    (Some(rank), Some(mesh), Some(placement), Feed::Tokens | Feed::Targets) => {
+                        let global = global_input_type(graph, input);
+                        placement
+                            .local_block(mesh, &global.shape, rank)
+                            .map(Some)
+                            .map_err(err)
+                    }
+                    _ => Ok(None),
+                },
+            )
+            .collect::<Result<_, _>>()?;
+        let rows = blocks
+            .iter()
+            .flatten()
+            .map(|b| b[0].clone())
+            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))
+            .unwrap_or(0..m.batch);
         let b = self
             .cfg
             .data
-            .batch(
+            .rows(
                 self.cfg.seed,
                 self.steps_done,
                 m.batch,
+                rows.clone(),
                 m.seq_len,
                 m.vocab_size,
             )
             .map_err(|e| err(format!("step {step_no}: {e}")))?;
-        let tokens = m.batch * m.seq_len;
-        let held = self.ranks.held_rank();
-        let graph = &self.graph;
-        // The batch as the slot holds it: whole, or the held rank's part.
-        let part = |input: &graphtrain_ir::Input, ids: &[i64]| -> Result<Vec<f64>, TrainError> {
-            let data: Vec<f64> = ids.iter().map(|&t| t as f64).collect();
-            match (held, &graph.mesh, &input.placement) {
-                (Some(rank), Some(mesh), Some(placement)) => {
-                    let whole =
-                        HostTensor::new(global_input_type(graph, input), data).map_err(err)?;
-                    Ok(local_part(&whole, placement, mesh, rank).map_err(err)?.data)
-                }
-                _ => Ok(data),
+        // The rows read as the slot holds them: whole, or the held rank's block of them.
+        let part = |block: &Option<Vec<std::ops::Range<usize>>>, ids: &[i64]| -> Vec<f64> {
+            match block {
+                Some(block) => block[0]
+                    .clone()
+                    .flat_map(|r| {
+                        let row = (r - rows.start) * m.seq_len;
+                        ids[row + block[1].start..row + block[1].end].iter()
+                    })
+                    .map(|&t| t as f64)
+                    .collect(),
+                None => ids.iter().map(|&t| t as f64).collect(),
             }
         };
-        for ((slot, feed), input) in self.slots.iter_mut().zip(&self.feeds).zip(&graph.inputs) {
+        for ((slot, feed), block) in self.slots.iter_mut().zip(&self.feeds).zip(&blocks) {
             match feed {
-                Feed::Tokens => slot.data = part(input, &b.tokens)?,
-                Feed::Targets => slot.data = part(input, &b.targets)?,
+                Feed::Tokens => slot.data = part(block, &b.tokens),
+                Feed::Targets => slot.data = part(block, &b.targets),
                 Feed::Lr => *slot = HostTensor::scalar(slot.ty.dtype, self.cfg.lr),
                 Feed::Step => *slot = HostTensor::scalar(slot.ty.dtype, step_no as f64),
                 Feed::Carried => {}
@@ -696,7 +724,8 @@ values, {} as the trainer's f64 host copies, and {} is available",
             Ok(_) => {
                 self.slots_stale = true;
                 self.steps_done = step_no;
-                self.last_batch = Some(b);
+                // Only a whole batch is one to export for replay.
+                self.last_batch = (rows == (0..self.model.batch)).then_some(b);
             }
             // Where the executor can put the donated inputs back, nothing of the failed step
             // is kept; where it updated them in place, the state is not a step's.

@@ -252,6 +252,38 @@ fn batch_k_is_a_function_of_seed_and_k() {
     assert!(e.contains("seq_len 3") && e.contains("5"), "{e}");
 }
 
+/// A data-parallel rank reads only its rows of a batch, and they are the batch's rows, for
+/// every source (so a run's batches do not depend on how many ranks read them).
+#[test]
+fn a_ranks_rows_are_the_batchs_rows() {
+    let text = Arc::new(TextData::new(counting(4 * 31), 3, 0.01).unwrap());
+    for source in [
+        DataSource::Random,
+        DataSource::Fixed,
+        DataSource::Text(text),
+    ] {
+        for k in [0u64, 5, 9] {
+            let whole = source.batch(11, k, 4, 3, 1000).unwrap();
+            for rows in [0..4, 1..3, 3..4, 2..2] {
+                let part = source.rows(11, k, 4, rows.clone(), 3, 1000).unwrap();
+                let cut = |ids: &[i64]| ids[rows.start * 3..rows.end * 3].to_vec();
+                assert_eq!(
+                    part.tokens,
+                    cut(&whole.tokens),
+                    "{source:?} batch {k} rows {rows:?}"
+                );
+                assert_eq!(
+                    part.targets,
+                    cut(&whole.targets),
+                    "{source:?} batch {k} rows {rows:?}"
+                );
+            }
+        }
+        let e = source.rows(11, 0, 4, 3..5, 3, 1000).unwrap_err();
+        assert!(e.contains("rows 3..5 of a batch of 4"), "{e}");
+    }
+}
+
 #[test]
 fn token_file_round_trip_and_cache_reuse() {
     let dir = temp_dir("cache");

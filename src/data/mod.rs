@@ -54,9 +54,42 @@ impl DataSource {
         seq: usize,
         vocab: usize,
     ) -> Result<Batch, String> {
+        self.rows(seed, k, batch, 0..batch, seq, vocab)
+    }
+
+    /// Rows `rows` of training batch `k`: what `batch` gives for them, reading or making only
+    /// them (a data-parallel rank's share of the batch).
+    pub fn rows(
+        &self,
+        seed: u64,
+        k: u64,
+        batch: usize,
+        rows: std::ops::Range<usize>,
+        seq: usize,
+        vocab: usize,
+    ) -> Result<Batch, String> {
+        if rows.end > batch || rows.start > rows.end {
+            return Err(format!("rows {rows:?} of a batch of {batch}"));
+        }
         match self {
-            DataSource::Random => Ok(random::batch(DataMode::Random, seed, k, batch, seq, vocab)),
-            DataSource::Fixed => Ok(random::batch(DataMode::Fixed, seed, k, batch, seq, vocab)),
+            DataSource::Random => Ok(random::rows(
+                DataMode::Random,
+                seed,
+                k,
+                batch,
+                rows,
+                seq,
+                vocab,
+            )),
+            DataSource::Fixed => Ok(random::rows(
+                DataMode::Fixed,
+                seed,
+                k,
+                batch,
+                rows,
+                seq,
+                vocab,
+            )),
             DataSource::Text(t) => {
                 if t.vocab_size() > vocab {
                     return Err(format!(
@@ -64,7 +97,7 @@ impl DataSource {
                         t.vocab_size()
                     ));
                 }
-                t.train_batch(seed, k, batch, seq)
+                t.train_rows_of(seed, k, batch, rows, seq)
             }
         }
     }

@@ -25,15 +25,29 @@ pub fn batch(
     seq: usize,
     vocab: usize,
 ) -> Batch {
+    rows(mode, seed, step, batch, 0..batch, seq, vocab)
+}
+
+/// Rows `rows` of batch `step` of `batch` rows: what `batch` gives for them, without making
+/// the others (each row is its own stretch of the stream).
+pub fn rows(
+    mode: DataMode,
+    seed: u64,
+    step: u64,
+    batch: usize,
+    rows: std::ops::Range<usize>,
+    seq: usize,
+    vocab: usize,
+) -> Batch {
     let step = match mode {
         DataMode::Random => step,
         DataMode::Fixed => 0,
     };
     let row = seq + 1;
     let base = step * (batch * row) as u64;
-    let mut tokens = Vec::with_capacity(batch * seq);
-    let mut targets = Vec::with_capacity(batch * seq);
-    for b in 0..batch {
+    let mut tokens = Vec::with_capacity(rows.len() * seq);
+    let mut targets = Vec::with_capacity(rows.len() * seq);
+    for b in rows {
         let tok = |i: usize| {
             rng::below(seed, DATA_STREAM, base + (b * row + i) as u64, vocab as u64) as i64
         };

@@ -166,13 +166,26 @@ impl TextData {
         batch: usize,
         seq: usize,
     ) -> Result<Batch, String> {
+        self.train_rows_of(seed, k, batch, 0..batch, seq)
+    }
+
+    /// Rows `rows` of training batch `k` of `batch` rows: what `train_batch` gives for them,
+    /// reading only those rows of the text.
+    pub fn train_rows_of(
+        &self,
+        seed: u64,
+        k: u64,
+        batch: usize,
+        rows: std::ops::Range<usize>,
+        seq: usize,
+    ) -> Result<Batch, String> {
         self.check_seq(seq)?;
         let mut out = Batch {
-            tokens: Vec::with_capacity(batch * seq),
-            targets: Vec::with_capacity(batch * seq),
+            tokens: Vec::with_capacity(rows.len() * seq),
+            targets: Vec::with_capacity(rows.len() * seq),
         };
         let n = self.train_rows as u64;
-        for b in 0..batch as u64 {
+        for b in rows.start as u64..rows.end as u64 {
             let position = k
                 .checked_mul(batch as u64)
                 .and_then(|p| p.checked_add(b))
