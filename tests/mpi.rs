@@ -426,3 +426,77 @@ fn a_rank_killed_mid_save_leaves_the_last_committed_checkpoint() {
     assert!(resumed.status.success(), "{}", text(&resumed.stderr));
     assert_eq!(step_lines(&text(&resumed.stdout)).len(), 1);
 }
+
+/// Resharding on load: a sharded checkpoint of four MPI ranks (`dp_shard=2,tp=2`) resumes on
+/// one rank and on four FSDP ranks (`dp_shard=4`), each continuing as the uninterrupted
+/// one-device run does (the step lines, to their printed digits).
+#[test]
+fn a_four_rank_checkpoint_resumes_on_one_rank_and_on_dp_shard_4() {
+    let _job = one_job();
+    let dir = scratch("reshard");
+    // tiny with 4 rows, so that dp_shard=4 has one each.
+    let config = dir.join("tiny4.ron");
+    let shown = output({
+        let mut c = Command::new(BIN);
+        c.args(["config", "show", "tiny"]);
+        c
+    });
+    let body = text(&shown.stdout).replace("batch: 2,", "batch: 4,");
+    assert!(body.contains("batch: 4,"), "{body}");
+    std::fs::write(&config, body).unwrap();
+    let base = |steps: &'static str| -> Vec<String> {
+        [
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--data",
+            "fixed",
+            "--steps",
+            steps,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let whole = output({
+        let mut c = Command::new(BIN);
+        c.args(base("7"));
+        c
+    });
+    assert!(whole.status.success(), "{}", text(&whole.stderr));
+    let want = step_lines(&text(&whole.stdout));
+    let ckpt = dir.join("ckpt");
+    let four = output({
+        let mut c = mpirun(4);
+        c.arg(BIN).args(base("4")).args([
+            "--mesh",
+            "dp_shard=2,tp=2",
+            "--launcher",
+            "mpi",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+        ]);
+        c
+    });
+    assert!(four.status.success(), "{}", text(&four.stderr));
+    assert_eq!(step_lines(&text(&four.stdout)), want[..4]);
+    for mesh in [None, Some("dp_shard=4")] {
+        let resumed = output({
+            let mut c = Command::new(BIN);
+            c.args(base("7")).args(["--resume", ckpt.to_str().unwrap()]);
+            if let Some(mesh) = mesh {
+                c.args(["--mesh", mesh]);
+            }
+            c
+        });
+        assert!(
+            resumed.status.success(),
+            "{mesh:?}: {}",
+            text(&resumed.stderr)
+        );
+        assert_eq!(
+            step_lines(&text(&resumed.stdout)),
+            want[4..],
+            "resumed on {mesh:?}"
+        );
+    }
+}
