@@ -218,6 +218,41 @@ fn async_tp_keeps_the_tensor_parallel_step_bitwise_on_threads() {
     }
 }
 
+/// `bucket` is tier 1 on the compiled CPU kernels: each mesh's step with a block's
+/// collectives bucketed (alone, after activation checkpointing, and with prefetch and async TP)
+/// is bitwise the step without.
+#[test]
+fn bucketing_keeps_every_mesh_bitwise_on_threads() {
+    for mesh in [
+        "dp_shard=2",
+        "dp_replicate=2",
+        "dp_replicate=2,dp_shard=2",
+        "dp_shard=2,tp=2",
+    ] {
+        let plain = train(Some(mesh));
+        for list in ["bucket", "ac,bucket,prefetch,async_tp=gate:off"] {
+            let mut pipeline = PipelineSpec::parse_list(list)
+                .unwrap()
+                .build(&Registry::builtin())
+                .unwrap();
+            pipeline.verify_each = true;
+            let t = trainer_with(Some(mesh), &pipeline);
+            let record = t.passes.iter().find(|r| r.pass == "bucket").unwrap();
+            assert!(
+                !record.report.changes.is_empty(),
+                "{mesh} {list}: {}",
+                record.report
+            );
+            drop(t);
+            assert_bitwise(
+                &format!("{mesh} {list}"),
+                &train_with(Some(mesh), &pipeline),
+                &plain,
+            );
+        }
+    }
+}
+
 #[test]
 fn a_mesh_checkpoint_resumes_on_one_device_and_back() {
     let run = RunIdentity::new(&tiny(), 0, DataMode::Fixed, &OptimConfig::default());

@@ -14,6 +14,7 @@ pub mod memory;
 pub mod ac;
 pub mod ac_policy;
 pub mod async_tp;
+pub mod bucket;
 pub mod canonicalize;
 pub mod capture;
 pub mod cse;
@@ -33,6 +34,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     ac::register(r);
     ac_policy::register(r);
     async_tp::register(r);
+    bucket::register(r);
     canonicalize::register(r);
     capture::register(r);
     cse::register(r);
