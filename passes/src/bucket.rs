@@ -139,7 +139,7 @@ impl Pass for Bucket {
             let operand = node.inputs[0];
             // An all-reduce's operand may be split by rows over another dimension (HSDP's
             // gradient shards): flattened as one row, the split stays one block per rank.
-            let split_elsewhere = placements[operand.index()].as_ref().map_or(true, |p| {
+            let split_elsewhere = placements[operand.index()].as_ref().is_none_or(|p| {
                 p.0.iter().enumerate().any(|(d, q)| {
                     !mesh_dims.contains(&d)
                         && match (kind, q) {
