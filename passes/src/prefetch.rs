@@ -4,8 +4,9 @@
 //!
 //! Changes: moves every collective start up to `nodes:N` nodes earlier (default 32), never
 //! before the node that produces its operand nor out of its phase (a backward gather is not
-//! issued in forward); waits stay where they are, right before the first use. Node order is
-//! otherwise kept.
+//! issued in forward); layout nodes that only prepare the operand (a bucket's flattening and
+//! concatenation) move up with it; waits stay where they are, right before the first use. Node
+//! order is otherwise kept.
 //! Guarantees: tier 1: no op, operand or result changes, only when a start is issued; every
 //! rank runs the same graph, so every rank issues its collectives in the same (new) order, as
 //! the communicators need. A start moved earlier holds its result buffer longer: the memory a
@@ -86,6 +87,7 @@ impl Pass for Prefetch {
             return Ok((g.clone(), report));
         }
         let producers = g.producers();
+        let users = g.users();
         // Each node's place in the new order: (the original index it goes before, 0 for a
         // moved start so that it comes first there, 1 otherwise), then its original index.
         let mut keys: Vec<(usize, u8, usize)> = (0..g.nodes.len()).map(|i| (i, 1, i)).collect();
@@ -102,12 +104,23 @@ impl Pass for Prefetch {
             };
         }
         for &i in &starts {
-            let operand = g.nodes[i].inputs[0];
-            let earliest = producers[operand.index()]
-                .map_or(0, |p| p + 1)
+            let prep = operand_layout(g, &producers, &users, i);
+            // The earliest place every value the start and its layout nodes read exists.
+            let earliest = prep
+                .iter()
+                .chain([&i])
+                .flat_map(|&n| &g.nodes[n].inputs)
+                .filter_map(|v| producers[v.index()])
+                .filter(|p| !prep.contains(p))
+                .map(|p| p + 1)
+                .max()
+                .unwrap_or(0)
                 .max(phase_start[i]);
             let target = i.saturating_sub(self.nodes).max(earliest);
             if target < i {
+                for &n in prep.iter().filter(|&&n| n >= target) {
+                    keys[n] = (target, 0, n);
+                }
                 keys[i] = (target, 0, i);
                 moved += 1;
                 distance += i - target;
@@ -134,6 +147,37 @@ impl Pass for Prefetch {
         report.metric("prefetch.nodes", self.nodes as f64);
         Ok((out.canonical(), report))
     }
+}
+
+/// The layout nodes (reshape, transpose, slice, concat) that only prepare start `i`'s operand,
+/// such as the flattening and concatenation of a bucket: they move up with the start.
+fn operand_layout(
+    g: &Graph,
+    producers: &[Option<usize>],
+    users: &[Vec<usize>],
+    i: usize,
+) -> Vec<usize> {
+    let mut prep = Vec::new();
+    let mut readers = vec![i];
+    let mut stack = vec![g.nodes[i].inputs[0]];
+    while let Some(v) = stack.pop() {
+        let Some(p) = producers[v.index()] else {
+            continue;
+        };
+        let layout = matches!(
+            g.nodes[p].op,
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Concat { .. }
+        );
+        let only_for_this = users[v.index()].iter().all(|u| readers.contains(u));
+        let is_output = g.outputs.iter().any(|o| o.value == v);
+        if layout && only_for_this && !is_output && !prep.contains(&p) {
+            prep.push(p);
+            readers.push(p);
+            stack.extend(g.nodes[p].inputs.iter().copied());
+        }
+    }
+    prep.sort_unstable();
+    prep
 }
 
 #[cfg(test)]
@@ -163,6 +207,35 @@ mod tests {
   %11: f32[4,4] = wait(%10)  # fwd c
   %12: f32[2,4] = matmul(%9, %11)  # fwd c
   output y = %12 @ [shard(0)]
+}",
+        );
+        insta::assert_snapshot!(out);
+    }
+    /// A bucket's start moves up with the layout nodes that flatten and join its operands.
+    #[test]
+    fn a_buckets_operand_layout_moves_with_its_start() {
+        let out = check(
+            &Prefetch { nodes: 8 },
+            "graph g {
+  mesh dp_shard=2
+  input %x: f32[2,4] @ [shard(0)]
+  param %w: f32[2,4] @ [shard(0)]
+  param %n: f32[2] @ [shard(0)]
+  %3: f32[2,4] = exp(%x)  # fwd a
+  %4: f32[2,4] = neg(%3)  # fwd a
+  %5: f32[1,2,4] = reshape(%w, shape=[1,2,4])  # fwd layers.0.w
+  %6: f32[1,8] = reshape(%5, shape=[1,8])  # fwd layers.0.w
+  %7: f32[1,2] = reshape(%n, shape=[1,2])  # fwd layers.0.n
+  %8: f32[1,10] = concat(%6, %7, axis=1)  # fwd layers.0.w
+  %9: f32[2,10] = all_gather_start(%8, mesh_dims=[0], group=2, axis=0)  # fwd layers.0.w
+  %10: f32[2,10] = wait(%9)  # fwd layers.0.w
+  %11: f32[2,8] = slice(%10, axis=1, start=0, end=8)  # fwd layers.0.w
+  %12: f32[4,4] = reshape(%11, shape=[4,4])  # fwd layers.0.w
+  %13: f32[2,4] = matmul(%4, %12)  # fwd layers.0.w
+  %14: f32[2,2] = slice(%10, axis=1, start=8, end=10)  # fwd layers.0.n
+  %15: f32[4] = reshape(%14, shape=[4])  # fwd layers.0.n
+  %16: f32[2,4] = rms_norm(%13, %15, eps=1e-5)  # fwd layers.0.n
+  output y = %16 @ [shard(0)]
 }",
         );
         insta::assert_snapshot!(out);

@@ -1,4 +1,5 @@
-//! An out-of-tree graphtrain pass, written only against graphtrain's public API: `silu-expand`,
+//! Out-of-tree graphtrain passes, written only against graphtrain's public API: `silu-expand`
+//! (below) and `split-all-reduce` (`split_all_reduce.rs`, a pass that rewrites collectives),
 //! registered next to the built-in passes by `registry()`.
 //!
 //! `silu-expand` rewrites `silu(x)` as `mul(x, sigmoid(x))`.
@@ -16,6 +17,9 @@
 use graphtrain::ir::{BinaryOp, Graph, Op, UnaryOp, ValueId};
 use graphtrain_passes::{Pass, PassError, PassInfo, PassReport, Registry, Tier};
 
+mod split_all_reduce;
+pub use split_all_reduce::SplitAllReduce;
+
 pub const INFO: PassInfo = PassInfo {
     name: "silu-expand",
     tier: Tier::Changing,
@@ -28,12 +32,13 @@ unchanged.",
     option_help: None,
 };
 
-/// Adds `silu-expand` to `r`.
+/// Adds `silu-expand` and `split-all-reduce` to `r`.
 pub fn register(r: &mut Registry) {
     r.register(INFO, |_| Ok(Box::new(SiluExpand)));
+    split_all_reduce::register(r);
 }
 
-/// graphtrain's built-in passes plus `silu-expand`: what this example's CLI runs with.
+/// graphtrain's built-in passes plus this example's: what its CLI runs with.
 pub fn registry() -> Registry {
     let mut r = Registry::builtin();
     register(&mut r);
@@ -108,6 +113,8 @@ impl Pass for SiluExpand {
             let donates = o.donates.map(|d| lookup(&map, d)).transpose()?;
             out.add_output(o.name.clone(), value, donates);
         }
+        // An SPMD graph keeps its mesh and the placements of its inputs and outputs.
+        out.keep_distribution_of(g);
 
         report.change(format!("expanded {count} silu node(s) into sigmoid + mul"));
         report.metric("silu_expanded", count as f64);
