@@ -75,7 +75,7 @@ impl Pass for SplitAllReduce {
                     .enumerate()
                     .any(|(d, q)| !mesh_dims.contains(&d) && matches!(q, Placement::Shard(_)))
             });
-            if x.rank() == 0 || x.shape[0] % group != 0 {
+            if x.rank() == 0 || !x.shape[0].is_multiple_of(*group) {
                 report.decline(
                     Some(i),
                     n.meta.module.clone(),
