@@ -4,7 +4,9 @@
 //! The file is `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}` with one
 //! complete (`"ph": "X"`) event per Program step: `ts` and `dur` in microseconds from the start
 //! of the step, `pid` the rank, `tid` the lane (`graphtrain_runtime::timeline::KERNELS`,
-//! `HOST`), `name` the producing graph node as `module op #node`, `cat` its phase, and `args`
+//! `HOST`, and on a mesh of threads `COMMUNICATION`: one event per collective, from when every
+//! member had started it until its result was in place, named by its start node), `name` the
+//! producing graph node as `module op #node`, `cat` its phase, and `args`
 //! with the step index, step kind, node, op and module. Process and thread names are given as
 //! metadata (`"ph": "M"`) events so a viewer labels the rows.
 //!
@@ -14,7 +16,7 @@
 //! Refused on reading: a file that is not JSON, has no `traceEvents` array, or an `X` event
 //! without a numeric `ts`/`dur`; the error names the event's index.
 
-use graphtrain_runtime::timeline::{HOST, KERNELS};
+use graphtrain_runtime::timeline::{COMMUNICATION, HOST, KERNELS};
 use graphtrain_runtime::Timeline;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -48,6 +50,7 @@ fn lane_name(lane: u32) -> String {
     match lane {
         KERNELS => "kernels".to_string(),
         HOST => "host code".to_string(),
+        COMMUNICATION => "communication".to_string(),
         other => format!("lane {other}"),
     }
 }

@@ -798,21 +798,39 @@ fn a_mesh_run_writes_one_timeline_per_rank() {
             .unwrap_or_else(|e| panic!("{}: {e}\n{}", path.display(), stdout(&o)));
         let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
         let events = trace["traceEvents"].as_array().unwrap();
-        let on_rank = |name: &str| {
+        // Lane 2 is the rank's communication thread: one event per collective, beside the
+        // compute lanes' start and wait steps.
+        let count = |name: &str, communication: bool| {
             events
                 .iter()
                 .filter(|e| e["ph"] == "X" && e["pid"] == rank)
+                .filter(|e| (e["tid"] == 2) == communication)
                 .filter(|e| e["args"]["kind"].as_str() == Some(name))
                 .count()
         };
+        let on_rank = |name: &str| count(name, false);
         assert!(on_rank("all_gather_start") > 0, "rank {rank}: no gather");
+        let starts = on_rank("all_gather_start")
+            + on_rank("reduce_scatter_start")
+            + on_rank("all_reduce_start");
         assert_eq!(
-            on_rank("all_gather_start")
-                + on_rank("reduce_scatter_start")
-                + on_rank("all_reduce_start"),
+            starts,
             on_rank("wait"),
             "rank {rank}: every start has its wait"
         );
+        let transfers = count("all_gather_start", true)
+            + count("reduce_scatter_start", true)
+            + count("all_reduce_start", true);
+        assert_eq!(
+            transfers, starts,
+            "rank {rank}: one transfer per collective"
+        );
+        let names = events
+            .iter()
+            .filter(|e| e["ph"] == "M" && e["pid"] == rank && e["tid"] == 2)
+            .map(|e| e["args"]["name"].as_str().unwrap_or_default())
+            .collect::<Vec<_>>();
+        assert_eq!(names, ["communication"], "rank {rank}");
     }
 }
 

@@ -126,6 +126,24 @@ pub trait Communicator: Send {
     fn take_blocked_for_peers(&self) -> Duration {
         Duration::ZERO
     }
+    /// Starts (`on`) or stops keeping a `Transfer` for every collective this rank completes,
+    /// for a timeline's communication lane. A communicator that cannot tell when a transfer
+    /// ran keeps none.
+    fn record_transfers(&self, _on: bool) {}
+    /// The transfers kept since recording started or since the last call.
+    fn take_transfers(&self) -> Vec<Transfer> {
+        Vec::new()
+    }
+}
+
+/// When one collective's communication ran on this rank: from the moment every member had
+/// started it (its data could move) until its result was in place, link time included.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// The collective's id (its handle's value id).
+    pub id: usize,
+    pub met: Instant,
+    pub done: Instant,
 }
 
 /// The communicator of a run with one rank: a collective over a group of one is a copy, done
@@ -389,6 +407,13 @@ fn communication_thread(
         match result {
             Ok(met) => {
                 state.finished.insert(call.id, met);
+                if state.recording {
+                    state.transfers.push(Transfer {
+                        id: call.id,
+                        met,
+                        done: Instant::now(),
+                    });
+                }
             }
             Err(why) => {
                 state.failed.get_or_insert(format!("rank {rank}: {why}"));
@@ -414,6 +439,9 @@ struct CompletionState {
     finished: HashMap<usize, Instant>,
     /// Why the communication thread could not complete a collective.
     failed: Option<String>,
+    /// Whether to keep `transfers` (a timeline is being recorded).
+    recording: bool,
+    transfers: Vec<Transfer>,
 }
 
 /// One rank's end of a `ThreadWorld`: its collectives run on its communication thread, in the
@@ -513,6 +541,18 @@ impl Communicator for ThreadComm {
 
     fn take_blocked(&self) -> Duration {
         std::mem::take(&mut *lock(&self.blocked))
+    }
+
+    fn record_transfers(&self, on: bool) {
+        let mut state = lock(&self.completion.state);
+        state.recording = on;
+        if !on {
+            state.transfers.clear();
+        }
+    }
+
+    fn take_transfers(&self) -> Vec<Transfer> {
+        std::mem::take(&mut lock(&self.completion.state).transfers)
     }
 }
 

@@ -32,7 +32,9 @@ pub mod reference;
 pub mod shared;
 pub mod timeline;
 
-pub use comm::{CollectiveCall, Communicator, FakeRank, Link, SingleRank, ThreadComm, ThreadWorld};
+pub use comm::{
+    CollectiveCall, Communicator, FakeRank, Link, SingleRank, ThreadComm, ThreadWorld, Transfer,
+};
 pub use compile::{compile, legalize, CompileOptions, CompileTimings, Compiled, Fingerprint};
 pub use options::{GemmKernel, Profile, RuntimeOptions};
 pub use ranks::{global_type, ThreadRanks};

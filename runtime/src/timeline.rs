@@ -5,7 +5,9 @@
 //! Guarantees: while recording is off an executor pays one `Option` test per step and nothing
 //! else; while it is on, every step is waited for before the clock is read (as the profile
 //! does), so a duration is the step's own work, not the launch's queueing, and the run is
-//! slower than an unrecorded one. Start times count from the start of the run.
+//! slower than an unrecorded one. Start times count from the start of the run. On a mesh of
+//! threads, each rank's communication thread adds its transfers on a third lane
+//! (`COMMUNICATION`), which runs beside compute: overlap is what the lanes show side by side.
 
 use graphtrain_ir::Phase;
 use graphtrain_lowering::Program;
@@ -16,6 +18,9 @@ use std::time::{Duration, Instant};
 /// puts every step on its one queue, `KERNELS`.
 pub const KERNELS: u32 = 0;
 pub const HOST: u32 = 1;
+/// A rank's communication thread: each collective from the moment every member had started it
+/// until its result was in place (link time included), named by its start node.
+pub const COMMUNICATION: u32 = 2;
 
 /// One step of a recorded run.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,6 +102,25 @@ impl Recorder {
             started.saturating_duration_since(origin),
             started.elapsed(),
         ));
+    }
+
+    /// The collectives' transfers of this run, on the `COMMUNICATION` lane, each named by the
+    /// program step that started it.
+    pub(crate) fn transfers(&mut self, transfers: &[crate::comm::Transfer], program: &Program) {
+        let Some(origin) = self.origin else { return };
+        for t in transfers {
+            let step = program.steps.iter().position(|s| {
+                matches!(s, graphtrain_lowering::Step::CollectiveStart { handle, .. } if handle.index() == t.id)
+            });
+            if let Some(step) = step {
+                self.raw.push((
+                    step,
+                    COMMUNICATION,
+                    t.met.saturating_duration_since(origin),
+                    t.done.saturating_duration_since(t.met),
+                ));
+            }
+        }
     }
 
     /// Ends the run: the steps recorded since `begin` become the timeline `take` returns.

@@ -691,6 +691,7 @@ impl Executor for CpuExecutor {
         let steps = std::mem::take(&mut self.program.steps);
         if let Some(r) = self.timeline.as_mut() {
             r.begin();
+            self.comm.record_transfers(true);
         }
         let result = (|| {
             for (i, step) in steps.iter().enumerate() {
@@ -723,6 +724,8 @@ impl Executor for CpuExecutor {
         })();
         self.program.steps = steps;
         if let Some(r) = self.timeline.as_mut() {
+            r.transfers(&self.comm.take_transfers(), &self.program);
+            self.comm.record_transfers(false);
             r.finish(&self.program);
         }
         if self.first_run.is_none() {
