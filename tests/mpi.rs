@@ -79,21 +79,36 @@ fn run_args<'a>(mesh: &'a str, ckpt: &'a Path) -> Vec<&'a str> {
 fn mpi_ranks_train_bitwise_as_the_threads_engine() {
     let _job = one_job();
     let dir = scratch("bitwise");
-    for (mesh, np) in [("dp_shard=2", 2), ("tp=2", 2), ("dp_shard=2,tp=2", 4)] {
-        let threads_ckpt = dir.join(format!("{mesh}-threads.safetensors"));
-        let mpi_ckpt = dir.join(format!("{mesh}-mpi.safetensors"));
+    // The last: every overlap pass on four ranks (async TP ungated: the gate would see shared
+    // memory and decline tiny's sites).
+    let overlap = "ac,bucket,prefetch=nodes:96,async_tp=gate:off";
+    for (mesh, np, passes) in [
+        ("dp_shard=2", 2, "default"),
+        ("tp=2", 2, "default"),
+        ("dp_shard=2,tp=2", 4, "default"),
+        ("dp_shard=2,tp=2", 4, overlap),
+    ] {
+        let threads_ckpt = dir.join(format!("{mesh}-{np}-{}-threads.safetensors", passes.len()));
+        let mpi_ckpt = dir.join(format!("{mesh}-{np}-{}-mpi.safetensors", passes.len()));
         let threads = output({
             let mut c = Command::new(BIN);
-            c.args(run_args(mesh, &threads_ckpt))
-                .args(["--threads-per-rank", "1"]);
+            c.args(run_args(mesh, &threads_ckpt)).args([
+                "--threads-per-rank",
+                "1",
+                "--passes",
+                passes,
+            ]);
             c
         });
         assert!(threads.status.success(), "{}", text(&threads.stderr));
         let mpi = output({
             let mut c = mpirun(np);
-            c.arg(BIN)
-                .args(run_args(mesh, &mpi_ckpt))
-                .args(["--launcher", "mpi"]);
+            c.arg(BIN).args(run_args(mesh, &mpi_ckpt)).args([
+                "--launcher",
+                "mpi",
+                "--passes",
+                passes,
+            ]);
             c
         });
         assert!(
@@ -108,10 +123,10 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
         );
         assert_eq!(a.len(), 5, "{mesh}: {}", text(&threads.stdout));
         // Rank 0 alone prints: five lines, not five per rank.
-        assert_eq!(a, b, "{mesh}: the step lines differ");
+        assert_eq!(a, b, "{mesh} {passes}: the step lines differ");
         // The MPI run's checkpoint is sharded (a directory of rank files and a manifest);
         // assembled, it is the threads run's, bit for bit.
-        assert!(mpi_ckpt.join("manifest.json").is_file(), "{mesh}");
+        assert!(mpi_ckpt.join("manifest.json").is_file(), "{mesh} {passes}");
         let (ta, tb) = (
             checkpoint::load(&threads_ckpt).unwrap(),
             sharded::load(&mpi_ckpt).unwrap(),
@@ -121,7 +136,11 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
             let bits = |t: &graphtrain::ir::HostTensor| {
                 t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             };
-            assert!(bits(x) == bits(y), "{mesh}: `{}` differs", entry.name);
+            assert!(
+                bits(x) == bits(y),
+                "{mesh} {passes}: `{}` differs",
+                entry.name
+            );
         }
     }
 }
