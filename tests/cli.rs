@@ -755,6 +755,9 @@ fn run_with_ac_and_async_tp_trains_with_and_without_tp() {
     for (option, needles) in [
         ("async_tp=chunks:0", vec!["async_tp", "`chunks:0`", ">= 2"]),
         ("async_tp=ring", vec!["async_tp", "unknown option `ring`"]),
+        ("schedule", vec!["schedule", "needs a memory limit"]),
+        ("schedule=memory:12MB", vec!["schedule", "KiB, MiB or GiB"]),
+        ("bucket=bytes:10", vec!["`bucket` takes no option"]),
         (
             "async_tp=chunks:3;gate:off",
             vec![

@@ -42,12 +42,7 @@ mesh dimensions, and where a member's result is read before the bucket could sta
 };
 
 pub fn register(r: &mut Registry) {
-    r.register(INFO, |option| match option {
-        None => Ok(Box::new(Bucket)),
-        Some(o) => Err(format!(
-            "bucket: unknown option `{o}`; it takes none (one bucket per block)"
-        )),
-    });
+    r.register(INFO, |_| Ok(Box::new(Bucket)));
 }
 
 pub struct Bucket;

@@ -24,6 +24,7 @@ pub mod offload;
 pub mod parallelize;
 pub mod prefetch;
 pub mod remat;
+pub mod schedule;
 
 pub use pass::{Decline, Pass, PassError, PassReport, Tier};
 pub use pipeline::{PassRecord, PassSpec, Pipeline, PipelineError, PipelineSpec, DEFAULT_PIPELINE};
@@ -43,4 +44,5 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     offload::register(r);
     prefetch::register(r);
     remat::register(r);
+    schedule::register(r);
 }

@@ -86,42 +86,17 @@ impl Pass for Prefetch {
             );
             return Ok((g.clone(), report));
         }
-        let producers = g.producers();
-        let users = g.users();
+        let moves = Moves::of(g);
         // Each node's place in the new order: (the original index it goes before, 0 for a
         // moved start so that it comes first there, 1 otherwise), then its original index.
         let mut keys: Vec<(usize, u8, usize)> = (0..g.nodes.len()).map(|i| (i, 1, i)).collect();
         let mut moved = 0usize;
         let mut distance = 0usize;
-        // Where each phase begins: a start stays in its own phase (the verifier keeps phases in
-        // order, and activation checkpointing reads them).
-        let mut phase_start = vec![0; g.nodes.len()];
-        for i in 1..g.nodes.len() {
-            phase_start[i] = if g.nodes[i].meta.phase == g.nodes[i - 1].meta.phase {
-                phase_start[i - 1]
-            } else {
-                i
-            };
-        }
         for &i in &starts {
-            let prep = operand_layout(g, &producers, &users, i);
-            // The earliest place every value the start and its layout nodes read exists.
-            let earliest = prep
-                .iter()
-                .chain([&i])
-                .flat_map(|&n| &g.nodes[n].inputs)
-                .filter_map(|v| producers[v.index()])
-                .filter(|p| !prep.contains(p))
-                .map(|p| p + 1)
-                .max()
-                .unwrap_or(0)
-                .max(phase_start[i]);
+            let (earliest, prep) = moves.earliest(g, i);
             let target = i.saturating_sub(self.nodes).max(earliest);
             if target < i {
-                for &n in prep.iter().filter(|&&n| n >= target) {
-                    keys[n] = (target, 0, n);
-                }
-                keys[i] = (target, 0, i);
+                place(&mut keys, i, target, &prep);
                 moved += 1;
                 distance += i - target;
             }
@@ -134,10 +109,7 @@ impl Pass for Prefetch {
             );
             return Ok((g.clone(), report));
         }
-        let mut order: Vec<usize> = (0..g.nodes.len()).collect();
-        order.sort_by_key(|&i| keys[i]);
-        let mut out = g.clone();
-        out.nodes = order.iter().map(|&i| g.nodes[i].clone()).collect();
+        let out = reordered(g, &keys);
         report.change(format!(
             "started {moved} of {} collectives earlier, by {:.1} nodes on average",
             starts.len(),
@@ -147,6 +119,68 @@ impl Pass for Prefetch {
         report.metric("prefetch.nodes", self.nodes as f64);
         Ok((out.canonical(), report))
     }
+}
+
+/// What moving a collective start earlier may not cross, computed once per graph.
+pub(crate) struct Moves {
+    producers: Vec<Option<usize>>,
+    users: Vec<Vec<usize>>,
+    /// Where each node's phase begins: a start stays in its own phase (the verifier keeps
+    /// phases in order, and activation checkpointing reads them).
+    phase_start: Vec<usize>,
+}
+
+impl Moves {
+    pub(crate) fn of(g: &Graph) -> Moves {
+        let mut phase_start = vec![0; g.nodes.len()];
+        for i in 1..g.nodes.len() {
+            phase_start[i] = if g.nodes[i].meta.phase == g.nodes[i - 1].meta.phase {
+                phase_start[i - 1]
+            } else {
+                i
+            };
+        }
+        Moves {
+            producers: g.producers(),
+            users: g.users(),
+            phase_start,
+        }
+    }
+
+    /// The earliest place start `i` may go, and the layout nodes that go with it.
+    pub(crate) fn earliest(&self, g: &Graph, i: usize) -> (usize, Vec<usize>) {
+        let prep = operand_layout(g, &self.producers, &self.users, i);
+        // The earliest place every value the start and its layout nodes read exists.
+        let earliest = prep
+            .iter()
+            .chain([&i])
+            .flat_map(|&n| &g.nodes[n].inputs)
+            .filter_map(|v| self.producers[v.index()])
+            .filter(|p| !prep.contains(p))
+            .map(|p| p + 1)
+            .max()
+            .unwrap_or(0)
+            .max(self.phase_start[i]);
+        (earliest, prep)
+    }
+}
+
+/// Puts start `i` and the layout nodes `prep` preparing its operand right before node
+/// `target`, in `keys` (see `Prefetch::run`).
+pub(crate) fn place(keys: &mut [(usize, u8, usize)], i: usize, target: usize, prep: &[usize]) {
+    for &n in prep.iter().filter(|&&n| n >= target) {
+        keys[n] = (target, 0, n);
+    }
+    keys[i] = (target, 0, i);
+}
+
+/// `g` with its nodes in the order `keys` sorts them into.
+pub(crate) fn reordered(g: &Graph, keys: &[(usize, u8, usize)]) -> Graph {
+    let mut order: Vec<usize> = (0..g.nodes.len()).collect();
+    order.sort_by_key(|&i| keys[i]);
+    let mut out = g.clone();
+    out.nodes = order.iter().map(|&i| g.nodes[i].clone()).collect();
+    out
 }
 
 /// The layout nodes (reshape, transpose, slice, concat) that only prepare start `i`'s operand,

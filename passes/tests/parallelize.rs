@@ -533,8 +533,9 @@ fn meshes_and_plans_that_cannot_work_are_refused_naming_what() {
         .contains("plan:"));
 }
 
-/// The default pipeline, every activation-checkpointing policy, offload and capture run on the
-/// SPMD train steps of HSDP and of FSDP with sequence-parallel TP, the e-graph rewrites on TP,
+/// The default pipeline, every activation-checkpointing policy, offload, capture and the
+/// overlap passes run on the SPMD train steps of HSDP and of FSDP with sequence-parallel TP,
+/// the e-graph rewrites on TP,
 /// leave a graph the verifier (placements included) accepts, and keep every rank's results bit
 /// for bit (tier 1) on the N-rank interpreter.
 #[test]
@@ -557,6 +558,12 @@ fn every_pass_keeps_the_spmd_steps_bitwise() {
     pipelines.push(vec![
         ("prefetch".to_string(), Some("nodes:8".to_string())),
         ("ac".to_string(), Some("full".to_string())),
+    ]);
+    // The overlap passes together: buckets, a memory-bounded schedule, async TP.
+    pipelines.push(vec![
+        ("bucket".to_string(), None),
+        ("schedule".to_string(), Some("memory:1GiB".to_string())),
+        ("async_tp".to_string(), Some("gate:off".to_string())),
     ]);
     // The e-graph declines FSDP steps: their backward gathers are `remat=recompute` copies,
     // which hashconsing would merge back into the forward ones. It runs on plain TP.
