@@ -20,6 +20,7 @@ pub mod capture;
 pub mod cse;
 pub mod dce;
 pub mod egraph;
+pub mod keep_gathered;
 pub mod offload;
 pub mod parallelize;
 pub mod prefetch;
@@ -41,6 +42,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     cse::register(r);
     dce::register(r);
     egraph::register(r);
+    keep_gathered::register(r);
     offload::register(r);
     prefetch::register(r);
     remat::register(r);

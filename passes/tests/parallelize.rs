@@ -561,6 +561,7 @@ fn every_pass_keeps_the_spmd_steps_bitwise() {
     ]);
     // The overlap passes together: buckets, a memory-bounded schedule, async TP.
     pipelines.push(vec![
+        ("keep_gathered".to_string(), Some("last:1".to_string())),
         ("bucket".to_string(), None),
         ("schedule".to_string(), Some("memory:1GiB".to_string())),
         ("async_tp".to_string(), Some("gate:off".to_string())),
