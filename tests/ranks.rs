@@ -186,23 +186,19 @@ fn the_default_pipeline_and_ac_keep_the_fsdp_step_bitwise_on_threads() {
     }
 }
 
-/// `async_tp` is tier 1 on the compiled CPU kernels too: a matmul's row does not depend on the
-/// other rows, and the chunks' reductions add the ranks in the same order.
-#[test]
-fn async_tp_keeps_the_tensor_parallel_step_bitwise_on_threads() {
-    for mesh in ["tp=2", "dp_shard=2,tp=2"] {
+/// For each mesh, each pipeline (which must change something through `pass`) trains bit for bit
+/// as no pipeline does, on the compiled CPU kernels.
+fn assert_passes_bitwise(meshes: &[&str], pipelines: &[&str], pass: &str) {
+    for &mesh in meshes {
         let plain = train(Some(mesh));
-        for list in [
-            "async_tp=chunks:2;gate:off",
-            "ac,async_tp=chunks:4;gate:off",
-        ] {
+        for &list in pipelines {
             let mut pipeline = PipelineSpec::parse_list(list)
                 .unwrap()
                 .build(&Registry::builtin())
                 .unwrap();
             pipeline.verify_each = true;
             let t = trainer_with(Some(mesh), &pipeline);
-            let record = t.passes.iter().find(|r| r.pass == "async_tp").unwrap();
+            let record = t.passes.iter().find(|r| r.pass == pass).unwrap();
             assert!(
                 !record.report.changes.is_empty(),
                 "{mesh} {list}: {}",
@@ -218,39 +214,35 @@ fn async_tp_keeps_the_tensor_parallel_step_bitwise_on_threads() {
     }
 }
 
+/// `async_tp` is tier 1 on the compiled CPU kernels too: a matmul's row does not depend on the
+/// other rows, and the chunks' reductions add the ranks in the same order.
+#[test]
+fn async_tp_keeps_the_tensor_parallel_step_bitwise_on_threads() {
+    assert_passes_bitwise(
+        &["tp=2", "dp_shard=2,tp=2"],
+        &[
+            "async_tp=chunks:2;gate:off",
+            "ac,async_tp=chunks:4;gate:off",
+        ],
+        "async_tp",
+    );
+}
+
 /// `bucket` is tier 1 on the compiled CPU kernels: each mesh's step with a block's
 /// collectives bucketed (alone, after activation checkpointing, and with prefetch and async TP)
 /// is bitwise the step without.
 #[test]
 fn bucketing_keeps_every_mesh_bitwise_on_threads() {
-    for mesh in [
-        "dp_shard=2",
-        "dp_replicate=2",
-        "dp_replicate=2,dp_shard=2",
-        "dp_shard=2,tp=2",
-    ] {
-        let plain = train(Some(mesh));
-        for list in ["bucket", "ac,bucket,prefetch,async_tp=gate:off"] {
-            let mut pipeline = PipelineSpec::parse_list(list)
-                .unwrap()
-                .build(&Registry::builtin())
-                .unwrap();
-            pipeline.verify_each = true;
-            let t = trainer_with(Some(mesh), &pipeline);
-            let record = t.passes.iter().find(|r| r.pass == "bucket").unwrap();
-            assert!(
-                !record.report.changes.is_empty(),
-                "{mesh} {list}: {}",
-                record.report
-            );
-            drop(t);
-            assert_bitwise(
-                &format!("{mesh} {list}"),
-                &train_with(Some(mesh), &pipeline),
-                &plain,
-            );
-        }
-    }
+    assert_passes_bitwise(
+        &[
+            "dp_shard=2",
+            "dp_replicate=2",
+            "dp_replicate=2,dp_shard=2",
+            "dp_shard=2,tp=2",
+        ],
+        &["bucket", "ac,bucket,prefetch,async_tp=gate:off"],
+        "bucket",
+    );
 }
 
 #[test]

@@ -29,8 +29,9 @@
 //! Errors: a chunk count that does not divide a site's rows per rank, naming the site.
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
+use crate::rebuild::Rebuild;
 use crate::registry::{PassInfo, Registry};
-use graphtrain_ir::graph::{Meta, Node, Phase};
+use graphtrain_ir::graph::{Meta, Node};
 use graphtrain_ir::stats::{comm_bytes, node_flops};
 use graphtrain_ir::{BinaryOp, Collective, Graph, Op, ValueId};
 use std::collections::HashMap;
@@ -521,16 +522,11 @@ rank along axis {axis}, which {} chunks do not divide",
             }
         }
         let mut e = Emitter {
-            out: Graph {
-                nodes: Vec::new(),
-                ..g.clone()
-            },
-            map: (0..g.values.len() as u32).map(ValueId).collect(),
+            r: Rebuild::of(g, INFO.name),
             chunks: k,
             handles: vec![Vec::new(); sites.len()],
             arrived: vec![Vec::new(); sites.len()],
             whole: vec![None; sites.len()],
-            phase: Phase::Forward,
         };
         let producers = g.producers();
         // Nodes already emitted ahead of their place: a consumer multiplied with the first
@@ -544,7 +540,7 @@ rank along axis {axis}, which {} chunks do not divide",
             }
         }
         for (i, node) in g.nodes.iter().enumerate() {
-            e.phase = node.meta.phase;
+            e.r.phase = node.meta.phase;
             match roles[i] {
                 Role::GatherStart(s) => e.start_gather(g, node, s)?,
                 Role::GatherWait | Role::Skip => {}
@@ -576,11 +572,7 @@ rank along axis {axis}, which {} chunks do not divide",
                                 if !movable {
                                     continue;
                                 }
-                                let inputs = from.inputs.iter().map(|v| e.map[v.index()]).collect();
-                                e.out.nodes.push(Node {
-                                    inputs,
-                                    ..from.clone()
-                                });
+                                e.r.keep(from);
                                 emitted_early[p] = true;
                             }
                             _ => {}
@@ -591,15 +583,15 @@ rank along axis {axis}, which {} chunks do not divide",
                     for c in 0..k {
                         let rows = e.arrived_chunk(g, &sites[s], s, c)?;
                         for (r, &j) in ready.iter().enumerate() {
-                            let matrix = e.map[g.nodes[j].inputs[1].index()];
+                            let matrix = e.r.map[g.nodes[j].inputs[1].index()];
                             let meta = &g.nodes[j].meta;
-                            products[r].push(e.add(Op::Matmul, vec![rows, matrix], meta)?);
+                            products[r].push(e.r.add(Op::Matmul, vec![rows, matrix], meta)?);
                         }
                     }
                     for (r, &j) in ready.iter().enumerate() {
                         let meta = &g.nodes[j].meta;
                         let joined = e.join_gathered(&products[r], axis, g, &sites[s], meta)?;
-                        e.map[g.nodes[j].outputs[0].index()] = joined;
+                        e.r.map[g.nodes[j].outputs[0].index()] = joined;
                         emitted_early[j] = true;
                     }
                 }
@@ -616,13 +608,14 @@ rank along axis {axis}, which {} chunks do not divide",
                     let mut parts = Vec::with_capacity(k);
                     for c in 0..k {
                         let handle = e.handles[s][c];
-                        let part = e.add(Op::Wait, vec![handle], &node.meta)?;
+                        let part = e.r.add(Op::Wait, vec![handle], &node.meta)?;
                         let shape = block.clone();
-                        parts.push(e.add(Op::Reshape { shape }, vec![part], &node.meta)?);
+                        parts.push(e.r.add(Op::Reshape { shape }, vec![part], &node.meta)?);
                     }
-                    let joined = e.add(Op::Concat { axis: axis + 1 }, parts, &node.meta)?;
-                    let joined = e.add(Op::Reshape { shape: whole }, vec![joined], &node.meta)?;
-                    e.map[node.outputs[0].index()] = joined;
+                    let joined = e.r.add(Op::Concat { axis: axis + 1 }, parts, &node.meta)?;
+                    let joined =
+                        e.r.add(Op::Reshape { shape: whole }, vec![joined], &node.meta)?;
+                    e.r.map[node.outputs[0].index()] = joined;
                 }
                 Role::Keep => {
                     for v in &node.inputs {
@@ -630,11 +623,7 @@ rank along axis {axis}, which {} chunks do not divide",
                             e.whole_gathered(g, &sites[s], s)?;
                         }
                     }
-                    let inputs = node.inputs.iter().map(|v| e.map[v.index()]).collect();
-                    e.out.nodes.push(Node {
-                        inputs,
-                        ..node.clone()
-                    });
+                    e.r.keep(node);
                 }
             }
         }
@@ -646,18 +635,13 @@ rank along axis {axis}, which {} chunks do not divide",
                 }
             }
         }
-        for o in &mut e.out.outputs {
-            o.value = e.map[o.value.index()];
-        }
-        Ok(e.out)
+        Ok(e.r.finish())
     }
 }
 
-/// Builds the rewritten graph node by node; `map` takes a value of the input graph to the value
-/// holding it in the output graph.
+/// Builds the rewritten graph node by node (`r`), with what the chunked sites have emitted.
 struct Emitter {
-    out: Graph,
-    map: Vec<ValueId>,
+    r: Rebuild,
     chunks: usize,
     /// Per site, the handles of its chunk collectives.
     handles: Vec<Vec<ValueId>>,
@@ -665,24 +649,9 @@ struct Emitter {
     arrived: Vec<Vec<ValueId>>,
     /// Per gather site, the gathered tensor reassembled, once a reader needed it whole.
     whole: Vec<Option<ValueId>>,
-    /// The phase of the input-graph node being rewritten.
-    phase: Phase,
 }
 
 impl Emitter {
-    /// Appends a node with `meta`, in the phase of the input-graph node being rewritten: a wait
-    /// or a reassembly emitted for a backward reader of a forward gather belongs to backward.
-    fn add(&mut self, op: Op, inputs: Vec<ValueId>, meta: &Meta) -> Result<ValueId, PassError> {
-        let meta = Meta {
-            phase: self.phase,
-            ..meta.clone()
-        };
-        self.out.push1(op, inputs, meta).map_err(|e| PassError {
-            pass: INFO.name.into(),
-            message: format!("a chunked node does not type-check: {e:?}"),
-        })
-    }
-
     /// At the all-gather's start: slice block k of the rank's rows and start gathering it.
     fn start_gather(&mut self, g: &Graph, start: &Node, s: usize) -> Result<(), PassError> {
         let Op::CollectiveStart {
@@ -700,10 +669,12 @@ impl Emitter {
         let rows = shape[axis] / self.chunks;
         let mut chunk_shape = shape.clone();
         chunk_shape[axis] = rows;
-        let operand = self.map[start.inputs[0].index()];
-        let operand = self.add(Op::Reshape { shape: by_rank }, vec![operand], &start.meta)?;
+        let operand = self.r.map[start.inputs[0].index()];
+        let operand = self
+            .r
+            .add(Op::Reshape { shape: by_rank }, vec![operand], &start.meta)?;
         for c in 0..self.chunks {
-            let block = self.add(
+            let block = self.r.add(
                 Op::Slice {
                     axis: axis + 1,
                     start: c * rows,
@@ -712,14 +683,14 @@ impl Emitter {
                 vec![operand],
                 &start.meta,
             )?;
-            let block = self.add(
+            let block = self.r.add(
                 Op::Reshape {
                     shape: chunk_shape.clone(),
                 },
                 vec![block],
                 &start.meta,
             )?;
-            let handle = self.add(start.op.clone(), vec![block], &start.meta)?;
+            let handle = self.r.add(start.op.clone(), vec![block], &start.meta)?;
             self.handles[s].push(handle);
         }
         Ok(())
@@ -738,7 +709,7 @@ impl Emitter {
         };
         while self.arrived[s].len() <= c {
             let handle = self.handles[s][self.arrived[s].len()];
-            let chunk = self.add(Op::Wait, vec![handle], &g.nodes[wait].meta)?;
+            let chunk = self.r.add(Op::Wait, vec![handle], &g.nodes[wait].meta)?;
             self.arrived[s].push(chunk);
         }
         Ok(self.arrived[s][c])
@@ -757,7 +728,7 @@ impl Emitter {
             .collect::<Result<Vec<_>, _>>()?;
         let whole = self.join_gathered(&chunks, axis, g, site, &g.nodes[wait].meta)?;
         self.whole[s] = Some(whole);
-        self.map[g.nodes[wait].outputs[0].index()] = whole;
+        self.r.map[g.nodes[wait].outputs[0].index()] = whole;
         Ok(())
     }
 
@@ -778,13 +749,13 @@ impl Emitter {
             Op::CollectiveStart { group, .. } => group,
             _ => unreachable!(),
         };
-        let chunk_shape = self.out.ty(chunks[0]).shape.clone();
+        let chunk_shape = self.r.out.ty(chunks[0]).shape.clone();
         let rows = chunk_shape[axis] / ranks;
         let mut split = chunk_shape.clone();
         split.splice(axis..=axis, [ranks, rows]);
         let mut blocks = Vec::with_capacity(chunks.len());
         for &chunk in chunks {
-            blocks.push(self.add(
+            blocks.push(self.r.add(
                 Op::Reshape {
                     shape: split.clone(),
                 },
@@ -792,10 +763,10 @@ impl Emitter {
                 meta,
             )?);
         }
-        let joined = self.add(Op::Concat { axis: axis + 1 }, blocks, meta)?;
+        let joined = self.r.add(Op::Concat { axis: axis + 1 }, blocks, meta)?;
         let mut whole = chunk_shape;
         whole[axis] = ranks * rows * chunks.len();
-        self.add(Op::Reshape { shape: whole }, vec![joined], meta)
+        self.r.add(Op::Reshape { shape: whole }, vec![joined], meta)
     }
 
     /// At the root of the sum: for each chunk, the rows that become block k of every rank's
@@ -832,7 +803,7 @@ impl Emitter {
         for c in 0..self.chunks {
             let sum = self.chunk_of(g, producers, root, c, &mut rows)?;
             let meta = &g.nodes[start].meta;
-            let handle = self.add(g.nodes[start].op.clone(), vec![sum], meta)?;
+            let handle = self.r.add(g.nodes[start].op.clone(), vec![sum], meta)?;
             self.handles[s].push(handle);
         }
         Ok(())
@@ -852,7 +823,7 @@ impl Emitter {
         if let Op::Binary(BinaryOp::Add) = node.op {
             let a = self.chunk_of(g, producers, node.inputs[0], c, rows)?;
             let b = self.chunk_of(g, producers, node.inputs[1], c, rows)?;
-            return self.add(node.op.clone(), vec![a, b], &node.meta);
+            return self.r.add(node.op.clone(), vec![a, b], &node.meta);
         }
         let lhs = node.inputs[0];
         let by_rank = match rows.by_rank.get(&lhs) {
@@ -860,13 +831,15 @@ impl Emitter {
             None => {
                 let mut split = g.ty(lhs).shape.clone();
                 split.splice(rows.axis..=rows.axis, [rows.ranks, rows.per_rank]);
-                let mapped = self.map[lhs.index()];
-                let v = self.add(Op::Reshape { shape: split }, vec![mapped], &node.meta)?;
+                let mapped = self.r.map[lhs.index()];
+                let v = self
+                    .r
+                    .add(Op::Reshape { shape: split }, vec![mapped], &node.meta)?;
                 rows.by_rank.insert(lhs, v);
                 v
             }
         };
-        let block = self.add(
+        let block = self.r.add(
             Op::Slice {
                 axis: rows.axis + 1,
                 start: c * rows.rows,
@@ -877,9 +850,9 @@ impl Emitter {
         )?;
         let mut shape = g.ty(lhs).shape.clone();
         shape[rows.axis] = rows.ranks * rows.rows;
-        let chunk_rows = self.add(Op::Reshape { shape }, vec![block], &node.meta)?;
-        let rhs = self.map[node.inputs[1].index()];
-        self.add(Op::Matmul, vec![chunk_rows, rhs], &node.meta)
+        let chunk_rows = self.r.add(Op::Reshape { shape }, vec![block], &node.meta)?;
+        let rhs = self.r.map[node.inputs[1].index()];
+        self.r.add(Op::Matmul, vec![chunk_rows, rhs], &node.meta)
     }
 }
 

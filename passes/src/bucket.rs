@@ -21,8 +21,9 @@
 //! the bucket could start.
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
+use crate::rebuild::Rebuild;
 use crate::registry::{PassInfo, Registry};
-use graphtrain_ir::graph::{Meta, Node, Phase};
+use graphtrain_ir::graph::{Meta, Phase};
 use graphtrain_ir::{spmd, Collective, DType, Graph, Op, Placement, Reduce, ValueId};
 
 pub const INFO: PassInfo = PassInfo {
@@ -271,17 +272,12 @@ fn rewrite(g: &Graph, plans: &[Plan]) -> Result<Graph, PassError> {
         }
     }
     let mut e = Emitter {
-        out: Graph {
-            nodes: Vec::new(),
-            ..g.clone()
-        },
-        map: (0..g.values.len() as u32).map(ValueId).collect(),
+        r: Rebuild::of(g, INFO.name),
         handle: vec![None; plans.len()],
         arrived: vec![None; plans.len()],
-        phase: Phase::Forward,
     };
     for (i, node) in g.nodes.iter().enumerate() {
-        e.phase = node.meta.phase;
+        e.r.phase = node.meta.phase;
         for &b in &starts_at[i] {
             // An operand that is another bucket's member result (HSDP: a reduce-scatter's
             // result then all-reduced) is cut out of that bucket first.
@@ -300,55 +296,35 @@ fn rewrite(g: &Graph, plans: &[Plan]) -> Result<Graph, PassError> {
                 e.member_result(g, &plans[b], b, k)?;
             }
         }
-        let inputs = node.inputs.iter().map(|v| e.map[v.index()]).collect();
-        e.out.nodes.push(Node {
-            inputs,
-            ..node.clone()
-        });
+        e.r.keep(node);
     }
     for o in &g.outputs {
         if let Some((b, k)) = result_of[o.value.index()] {
             e.member_result(g, &plans[b], b, k)?;
         }
     }
-    for o in &mut e.out.outputs {
-        o.value = e.map[o.value.index()];
-    }
-    Ok(e.out)
+    Ok(e.r.finish())
 }
 
 struct Emitter {
-    out: Graph,
-    map: Vec<ValueId>,
+    r: Rebuild,
     /// Per bucket, its collective's handle once started.
     handle: Vec<Option<ValueId>>,
     /// Per bucket, its result once waited for.
     arrived: Vec<Option<ValueId>>,
-    phase: Phase,
 }
 
 impl Emitter {
-    fn add(&mut self, op: Op, inputs: Vec<ValueId>, meta: &Meta) -> Result<ValueId, PassError> {
-        let meta = Meta {
-            phase: self.phase,
-            ..meta.clone()
-        };
-        self.out.push1(op, inputs, meta).map_err(|e| PassError {
-            pass: INFO.name.into(),
-            message: format!("a bucketed node does not type-check: {e:?}"),
-        })
-    }
-
     fn reshape(
         &mut self,
         v: ValueId,
         shape: Vec<usize>,
         meta: &Meta,
     ) -> Result<ValueId, PassError> {
-        if self.out.ty(v).shape == shape {
+        if self.r.out.ty(v).shape == shape {
             return Ok(v);
         }
-        self.add(Op::Reshape { shape }, vec![v], meta)
+        self.r.add(Op::Reshape { shape }, vec![v], meta)
     }
 
     /// The operands flattened as one block per rank and concatenated, and the one collective.
@@ -363,7 +339,7 @@ impl Emitter {
         let mut flats = Vec::with_capacity(plan.members.len());
         for m in &plan.members {
             let node = &g.nodes[m.start];
-            let operand = self.map[node.inputs[0].index()];
+            let operand = self.r.map[node.inputs[0].index()];
             let shape = g.ty(node.inputs[0]).shape.clone();
             let numel: usize = shape.iter().product();
             let flat = match plan.kind {
@@ -386,7 +362,7 @@ impl Emitter {
             };
             flats.push(flat);
         }
-        let joined = self.add(Op::Concat { axis: 1 }, flats, &first.meta)?;
+        let joined = self.r.add(Op::Concat { axis: 1 }, flats, &first.meta)?;
         let collective = match plan.kind {
             Kind::Gather => Collective::AllGather { axis: 0 },
             Kind::Scatter(reduce) => Collective::ReduceScatter { axis: 0, reduce },
@@ -397,7 +373,7 @@ impl Emitter {
             mesh_dims,
             group,
         };
-        self.handle[b] = Some(self.add(op, vec![joined], &first.meta)?);
+        self.handle[b] = Some(self.r.add(op, vec![joined], &first.meta)?);
         Ok(())
     }
 
@@ -411,14 +387,14 @@ impl Emitter {
     ) -> Result<(), PassError> {
         let wait = &g.nodes[plan.members[k].wait];
         let result = wait.outputs[0];
-        if self.map[result.index()] != result {
+        if self.r.map[result.index()] != result {
             return Ok(());
         }
         let arrived = match self.arrived[b] {
             Some(v) => v,
             None => {
                 let handle = self.handle[b].expect("a bucket starts before its readers");
-                let v = self.add(Op::Wait, vec![handle], &wait.meta)?;
+                let v = self.r.add(Op::Wait, vec![handle], &wait.meta)?;
                 self.arrived[b] = Some(v);
                 v
             }
@@ -441,7 +417,7 @@ impl Emitter {
             .collect();
         let shape = g.ty(result).shape.clone();
         let offset: usize = per_row[..k].iter().sum();
-        let piece = self.add(
+        let piece = self.r.add(
             Op::Slice {
                 axis: 1,
                 start: offset,
@@ -458,7 +434,7 @@ impl Emitter {
             }
             Kind::Gather => self.reshape(piece, shape, &wait.meta)?,
         };
-        self.map[result.index()] = value;
+        self.r.map[result.index()] = value;
         Ok(())
     }
 }

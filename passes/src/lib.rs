@@ -4,6 +4,7 @@
 
 pub mod pass;
 pub mod pipeline;
+mod rebuild;
 pub mod registry;
 pub mod rules;
 pub mod substitute;
