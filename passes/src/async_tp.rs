@@ -107,7 +107,8 @@ impl Default for AsyncTp {
 }
 
 impl AsyncTp {
-    /// Reads `chunks:K;link:GBPS:LATENCY_US;gflops:G;gate:off` (any subset, any order).
+    /// Reads `chunks:K;link:GBPS:LATENCY_US;gflops:G;overhead_us:U;gate:off` (any subset, any
+    /// order).
     pub fn parse(option: Option<&str>) -> Result<AsyncTp, String> {
         let mut pass = AsyncTp::default();
         let Some(option) = option else {
@@ -120,6 +121,14 @@ impl AsyncTp {
                     .ok()
                     .filter(|x| x.is_finite() && *x > 0.0)
                     .ok_or_else(|| format!("async_tp: `{item}`: {what} must be a positive number"))
+            };
+            let microseconds = |s: &str, what: &str| -> Result<f64, String> {
+                s.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|u| u.is_finite() && *u >= 0.0)
+                    .map(|u| u * 1e-6)
+                    .ok_or_else(|| format!("async_tp: `{item}`: {what} must be microseconds >= 0"))
             };
             if let Some(k) = item.strip_prefix("chunks:") {
                 pass.chunks = match k.trim().parse::<usize>() {
@@ -135,27 +144,11 @@ impl AsyncTp {
                     format!("async_tp: `{item}`: a link is link:GBPS:LATENCY_US, as in link:10:5")
                 })?;
                 pass.link_bytes_per_s = positive(gbps, "the bandwidth in GB/s")? * 1e9;
-                pass.link_latency_s = us
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|u| u.is_finite() && *u >= 0.0)
-                    .ok_or_else(|| {
-                        format!("async_tp: `{item}`: the latency must be microseconds >= 0")
-                    })?
-                    * 1e-6;
+                pass.link_latency_s = microseconds(us, "the latency")?;
             } else if let Some(g) = item.strip_prefix("gflops:") {
                 pass.flops_per_s = positive(g, "the matmul speed in GFLOP/s")? * 1e9;
             } else if let Some(us) = item.strip_prefix("overhead_us:") {
-                pass.collective_overhead_s = us
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|u| u.is_finite() && *u >= 0.0)
-                    .ok_or_else(|| {
-                        format!("async_tp: `{item}`: the overhead must be microseconds >= 0")
-                    })?
-                    * 1e-6;
+                pass.collective_overhead_s = microseconds(us, "the overhead")?;
             } else if item == "gate:off" {
                 pass.gate = false;
             } else if item == "gate:on" {
