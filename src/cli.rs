@@ -91,6 +91,12 @@ pub enum Command {
     /// Train for warm-up plus measured steps and report median tokens/s, compile time by stage,
     /// predicted against measured memory and peak RSS (`--json FILE` writes the summary).
     Bench(BenchArgs),
+    /// Search for a faster pass pipeline: candidates from the search space, each gated on
+    /// numerics, timed against the incumbent in interleaved pairs of steps and kept only when a
+    /// 95% interval of the speed ratio lies above 1 (and a confirmation agrees). Starts from
+    /// --passes; logs to --log DIR (results.tsv, samples.jsonl), from which it resumes; writes
+    /// the best pipeline to DIR/best.ron (`run --pipeline DIR/best.ron`).
+    Search(SearchArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
         /// Graph file: `.ron` is read as RON, anything else as the text format.
@@ -952,6 +958,132 @@ pub struct BenchArgs {
     pub trace_out: Option<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+pub struct SearchArgs {
+    /// The model, data and training flags; --passes is where the search starts (its passes in
+    /// the search space's order: canonicalize, cse, egraph, dce, ac, offload, capture).
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// The search's directory: its log, its lock and the best pipeline. A directory with a log
+    /// resumes that search.
+    #[arg(long)]
+    pub log: PathBuf,
+    /// Experiments in all (counting those already logged).
+    #[arg(long, default_value_t = 30)]
+    pub experiments: usize,
+    /// Stop starting experiments after this many minutes.
+    #[arg(long)]
+    pub minutes: Option<f64>,
+    /// Where candidates come from: `neighbour` (one knob of the incumbent changed) or `random`
+    /// (every knob drawn; the baseline).
+    #[arg(long, default_value = "neighbour")]
+    pub proposer: String,
+    /// Seed of every random choice (with the experiment's number).
+    #[arg(long, default_value_t = 0)]
+    pub search_seed: u64,
+    /// Every this many experiments, time the incumbent against itself and log whether the keep
+    /// rule would have kept it (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub aa_every: usize,
+    /// Steps the numerics gate trains each candidate against the unoptimized step.
+    #[arg(long, default_value_t = 3)]
+    pub numerics_steps: u64,
+}
+
+/// `TrainArgs`' trainer for `pipeline` (for `graphtrain search`).
+pub(crate) fn trainer_for(args: &TrainArgs, pipeline: Pipeline) -> Result<Trainer, String> {
+    Ok(args.setup_with(pipeline)?.trainer)
+}
+
+fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
+    use graphtrain_autoresearch::{journal::Journal, propose, search::Search, space::Space};
+    if a.train.mesh.mesh.is_some() {
+        return Err("search on a mesh is not built yet: it searches one device's pipeline".into());
+    }
+    if a.train.backend != "cpu" {
+        return Err("search measures the cpu backend only so far".into());
+    }
+    let space = Space::builtin(false);
+    space.check(|p| registry.info(p).is_some())?;
+    let start_list = PipelineSpec::parse_list(&a.train.passes.passes)?
+        .passes
+        .iter()
+        .map(|p| match &p.option {
+            Some(o) => format!("{}={o}", p.name),
+            None => p.name.clone(),
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let start = space
+        .parse(if start_list.is_empty() {
+            "none"
+        } else {
+            &start_list
+        })
+        .map_err(|e| format!("--passes as a start of the search: {e}"))?;
+    let mut proposer = propose::by_name(&a.proposer)?;
+    let cfg = model_config(&a.train.model)?;
+    let optim = a.train.optim.config()?;
+    let mut objective =
+        crate::search::Measured::new(&a.train, registry, cfg, &optim, a.numerics_steps, 2)?;
+    let mut journal = Journal::open(&a.log)?;
+    let resumed = journal.lines.len();
+    if resumed > 0 {
+        say!(
+            "resuming the search in {} after {resumed} experiments",
+            a.log.display()
+        );
+    }
+    let s = Search {
+        space,
+        rule: Default::default(),
+        seed: a.search_seed,
+        experiments: a.experiments,
+        aa_every: a.aa_every,
+        start,
+        deadline: a
+            .minutes
+            .map(|m| Instant::now() + std::time::Duration::from_secs_f64(m.max(0.0) * 60.0)),
+    };
+    let out = s.run(&mut journal, proposer.as_mut(), &mut objective, |l, incumbent| {
+        say!(
+            "experiment {:>3}/{} {:<11} ratio {:.3} [{:.3}, {:.3}] over {} pairs  {}  (incumbent: {incumbent})",
+            l.experiment + 1,
+            a.experiments,
+            l.status,
+            l.ratio,
+            l.lo,
+            l.hi,
+            l.pairs,
+            l.pipeline
+        );
+    })?;
+    let spec = PipelineSpec::parse_list(&out.incumbent)?;
+    let best = a.log.join("best.ron");
+    let body = ron::ser::to_string_pretty(&spec, ron::ser::PrettyConfig::default())
+        .map_err(|e| format!("cannot write the pipeline: {e}"))?;
+    std::fs::write(&best, body).map_err(|e| format!("cannot write `{}`: {e}", best.display()))?;
+    say!(
+        "best pipeline: {} ({} kept{}); A/A checks: {} of {} would have been kept; wrote {}",
+        out.incumbent,
+        out.kept,
+        if out.exhausted {
+            ", every neighbour tried"
+        } else {
+            ""
+        },
+        out.aa_keeps,
+        out.aa_runs,
+        best.display()
+    );
+    for p in &spec.passes {
+        if let Some(info) = registry.info(&p.name) {
+            say!("  {}: {}", p.name, info.contract);
+        }
+    }
+    Ok(())
+}
+
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
 /// returns the exit code.
 pub fn main<I, T>(args: I) -> ExitCode
@@ -1044,6 +1176,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Trace(a) => trace(a, registry),
         Command::Run(a) => run(a, registry),
         Command::Bench(a) => bench(a, registry),
+        Command::Search(a) => search(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
@@ -1925,6 +2058,20 @@ fn bench_paired(a: &BenchArgs, against: &str, registry: &Registry) -> Result<(),
         s.ratio_q1,
         s.ratio_q3,
         s.pairs
+    );
+    // The search's estimate on these pairs: speed, not time, so above 1 is faster.
+    let pairs: Vec<(f64, f64)> = s
+        .baseline_step_times_s
+        .iter()
+        .copied()
+        .zip(s.candidate_step_times_s.iter().copied())
+        .collect();
+    let v = graphtrain_autoresearch::stats::KeepRule::default().verdict(&pairs, 0);
+    say!(
+        "candidate speed / baseline speed: {:.3}, bootstrap 95% interval [{:.3}, {:.3}] (10%-trimmed mean of the pairs' log ratios)",
+        v.ratio,
+        v.lo,
+        v.hi
     );
     write_json(a.json.as_deref(), &s)
 }

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod peak;
 pub mod plot;
 pub mod replay;
+pub mod search;
 pub mod sharded;
 pub mod step_report;
 pub mod timeline;

@@ -890,3 +890,71 @@ fn bench_and_metrics_on_a_mesh_report_each_ranks_waits() {
         assert_eq!(s["wait_s"].as_array().map(Vec::len), Some(2), "{s}");
     }
 }
+
+/// `search` on tiny: a few experiments write results.tsv and best.ron, which `run --pipeline`
+/// takes; a second search on the same log resumes it, keeping the lines already there; a held
+/// lock, an unknown proposer and a start outside the search space are refused.
+#[test]
+fn search_logs_resumes_and_refuses_bad_input() {
+    let dir = scratch_dir("search");
+    let log = dir.join("s");
+    let _ = std::fs::remove_dir_all(&log);
+    let log_arg = log.to_str().unwrap();
+    let base = [
+        "search",
+        "--config",
+        "tiny",
+        "--passes",
+        "none",
+        "--log",
+        log_arg,
+        "--aa-every",
+        "0",
+    ];
+    let o = graphtrain(&[&base[..], &["--experiments", "3"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let first = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    assert_eq!(first.lines().count(), 4, "{first}");
+    assert!(first.starts_with("experiment\tproposer\tstatus"), "{first}");
+    assert!(stdout(&o).contains("best pipeline: "), "{}", stdout(&o));
+    let best = log.join("best.ron");
+    let run = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "1",
+        "--pipeline",
+        best.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let o = graphtrain(&[&base[..], &["--experiments", "5"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("resuming the search") && stdout(&o).contains("after 3 experiments"),
+        "{}",
+        stdout(&o)
+    );
+    let second = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    assert_eq!(second.lines().count(), 6, "{second}");
+    assert!(second.starts_with(&first), "the logged lines changed");
+    std::fs::write(log.join("lock"), "12345\n").unwrap();
+    let o = graphtrain(&[&base[..], &["--experiments", "6"]].concat());
+    assert_clean_error(&o, &["another search holds", "pid 12345"]);
+    std::fs::remove_file(log.join("lock")).unwrap();
+    let o = graphtrain(&[&base[..], &["--proposer", "genetic"]].concat());
+    assert_clean_error(&o, &["unknown proposer `genetic`"]);
+    let o = graphtrain(&[
+        "search",
+        "--config",
+        "tiny",
+        "--passes",
+        "capture,cse",
+        "--log",
+        log_arg,
+    ]);
+    assert_clean_error(
+        &o,
+        &["--passes as a start of the search", "after the ones before"],
+    );
+}

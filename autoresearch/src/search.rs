@@ -42,6 +42,8 @@ pub struct Search {
     pub aa_every: usize,
     /// Where a search with an empty log starts.
     pub start: Candidate,
+    /// No experiment starts after this (the one under way finishes).
+    pub deadline: Option<std::time::Instant>,
 }
 
 /// How many draws an experiment may spend looking for an untried valid candidate.
@@ -84,6 +86,12 @@ impl Search {
         let mut exhausted = false;
         let proposer_name = proposer.name().to_string();
         for k in journal.lines.len()..self.experiments {
+            if self
+                .deadline
+                .is_some_and(|d| std::time::Instant::now() >= d)
+            {
+                break;
+            }
             let mut rng = Rng::new(self.seed, k as u64);
             let current = self.space.pipeline(&incumbent);
             let line =
@@ -288,6 +296,7 @@ mod tests {
             seed: 3,
             experiments,
             aa_every: 5,
+            deadline: None,
         }
     }
 
