@@ -250,11 +250,15 @@ fn parse_data_arg(s: &str) -> Result<DataArg, String> {
 #[derive(clap::Args, Debug)]
 pub struct PlotArgs {
     /// The metrics log (JSON lines, schema `graphtrain.metrics/1`).
-    #[arg(required_unless_present = "trace", conflicts_with = "trace")]
+    #[arg(required_unless_present_any = ["trace", "search"], conflicts_with_all = ["trace", "search"])]
     pub file: Option<PathBuf>,
     /// Draw this Chrome trace's lanes instead (one row per lane, one bar per event).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "search")]
     pub trace: Option<PathBuf>,
+    /// Draw the best-so-far speed of these searches' logs (`graphtrain search --log DIR`)
+    /// against the pairs they timed, one line each (repeat to compare proposers).
+    #[arg(long)]
+    pub search: Vec<PathBuf>,
     /// The picture: `.svg`, or `.png` (text drawn with a bundled font).
     #[arg(long)]
     pub out: PathBuf,
@@ -974,10 +978,30 @@ pub struct SearchArgs {
     /// Stop starting experiments after this many minutes.
     #[arg(long)]
     pub minutes: Option<f64>,
-    /// Where candidates come from: `neighbour` (one knob of the incumbent changed) or `random`
-    /// (every knob drawn; the baseline).
+    /// Where candidates come from: `neighbour` (one knob of the incumbent changed), `evolution`
+    /// (children of the fastest candidates measured), `random` (every knob drawn; the
+    /// baseline), or a command (anything with a space or a `/`, run with `sh -c`): it reads the
+    /// search's state as JSON on stdin and prints one pipeline (see
+    /// autoresearch/examples/propose.py).
     #[arg(long, default_value = "neighbour")]
     pub proposer: String,
+    /// Seconds an external proposer may take to answer before it is killed (its experiment is
+    /// then logged `invalid`).
+    #[arg(long, default_value_t = 60.0)]
+    pub proposer_timeout: f64,
+    /// The most memory the step may take (bytes, or with KiB, MiB or GiB): pipelines whose
+    /// planned arena is larger are logged `over-cap` and never timed; the search answers "the
+    /// fastest pipeline that fits".
+    #[arg(long)]
+    pub memory_cap: Option<String>,
+    /// Time every candidate, even those predicted to do more arithmetic in no fewer nodes.
+    #[arg(long)]
+    pub no_prefilter: bool,
+    /// What is measured: `measured` (training steps on this machine) or `synthetic:SEED` (a
+    /// seeded model of pass effects with a known optimum, for testing the search and comparing
+    /// proposers; `synthetic:SEED:DELAY_MS` makes each timed pair take DELAY_MS).
+    #[arg(long, default_value = "measured")]
+    pub objective: String,
     /// Seed of every random choice (with the experiment's number).
     #[arg(long, default_value_t = 0)]
     pub search_seed: u64,
@@ -1021,11 +1045,36 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
             &start_list
         })
         .map_err(|e| format!("--passes as a start of the search: {e}"))?;
-    let mut proposer = propose::by_name(&a.proposer)?;
+    if !(a.proposer_timeout > 0.0 && a.proposer_timeout.is_finite()) {
+        return Err("--proposer-timeout must be a number of seconds above 0".into());
+    }
+    let mut proposer = propose::by_name(
+        &a.proposer,
+        std::time::Duration::from_secs_f64(a.proposer_timeout),
+    )?;
+    let memory_cap = a
+        .memory_cap
+        .as_deref()
+        .map(|c| {
+            graphtrain_passes::schedule::parse_bytes(c)
+                .map(|b| b as u64)
+                .map_err(|e| format!("--memory-cap `{c}`: {e}"))
+        })
+        .transpose()?;
     let cfg = model_config(&a.train.model)?;
     let optim = a.train.optim.config()?;
-    let mut objective =
-        crate::search::Measured::new(&a.train, registry, cfg, &optim, a.numerics_steps, 2)?;
+    let mut objective: Box<dyn graphtrain_autoresearch::search::Objective + '_> =
+        match a.objective.as_str() {
+            "measured" => Box::new(crate::search::Measured::new(
+                &a.train,
+                registry,
+                cfg,
+                &optim,
+                a.numerics_steps,
+                2,
+            )?),
+            other => Box::new(synthetic_objective(other, &space)?),
+        };
     let mut journal = Journal::open(&a.log)?;
     let resumed = journal.lines.len();
     if resumed > 0 {
@@ -1044,27 +1093,56 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
         deadline: a
             .minutes
             .map(|m| Instant::now() + std::time::Duration::from_secs_f64(m.max(0.0) * 60.0)),
+        memory_cap,
+        prefilter: !a.no_prefilter,
     };
-    let out = s.run(&mut journal, proposer.as_mut(), &mut objective, |l, incumbent| {
-        say!(
-            "experiment {:>3}/{} {:<11} ratio {:.3} [{:.3}, {:.3}] over {} pairs  {}  (incumbent: {incumbent})",
-            l.experiment + 1,
-            a.experiments,
-            l.status,
-            l.ratio,
-            l.lo,
-            l.hi,
-            l.pairs,
-            l.pipeline
-        );
-    })?;
+    let out = s.run(
+        &mut journal,
+        proposer.as_mut(),
+        objective.as_mut(),
+        |l, incumbent| {
+            let measured = if l.pairs > 0 {
+                format!(
+                    "ratio {:.3} [{:.3}, {:.3}] over {} pairs",
+                    l.ratio, l.lo, l.hi, l.pairs
+                )
+            } else {
+                l.description.clone()
+            };
+            say!(
+                "experiment {:>3}/{} {:<11} {}  {measured}\n    incumbent: {incumbent}",
+                l.experiment + 1,
+                a.experiments,
+                l.status,
+                l.pipeline,
+            );
+        },
+    )?;
+    let chart = a.log.join("progress.png");
+    if let Err(e) = crate::plot::plot_search(std::slice::from_ref(&a.log), &chart) {
+        say!("no progress chart: {e}");
+    }
+    if !out.fits {
+        let smallest = match &out.smallest_peak {
+            Some((peak, p)) => format!(
+                "the smallest predicted peak was {} (`{p}`)",
+                gib(*peak as usize)
+            ),
+            None => "no pipeline was predicted".into(),
+        };
+        return Err(format!(
+            "no pipeline tried fits under --memory-cap {}: {smallest}; the log is in {}",
+            gib(memory_cap.unwrap_or(0) as usize),
+            a.log.display()
+        ));
+    }
     let spec = PipelineSpec::parse_list(&out.incumbent)?;
     let best = a.log.join("best.ron");
     let body = ron::ser::to_string_pretty(&spec, ron::ser::PrettyConfig::default())
         .map_err(|e| format!("cannot write the pipeline: {e}"))?;
     std::fs::write(&best, body).map_err(|e| format!("cannot write `{}`: {e}", best.display()))?;
     say!(
-        "best pipeline: {} ({} kept{}); A/A checks: {} of {} would have been kept; wrote {}",
+        "best pipeline: {} ({} kept{}), predicted peak {}; A/A checks: {} of {} would have been kept; wrote {} and {}",
         out.incumbent,
         out.kept,
         if out.exhausted {
@@ -1072,16 +1150,60 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
         } else {
             ""
         },
+        gib(out.incumbent_peak as usize),
         out.aa_keeps,
         out.aa_runs,
-        best.display()
+        best.display(),
+        chart.display()
     );
     for p in &spec.passes {
         if let Some(info) = registry.info(&p.name) {
             say!("  {}: {}", p.name, info.contract);
         }
     }
+    if let (Some(cap), "measured") = (memory_cap, a.objective.as_str()) {
+        // The cap was checked on the plan; the backend's arena after a step is the measurement.
+        drop(objective);
+        let mut trainer = trainer_for(&a.train, spec.build(registry)?)?;
+        let m = trainer.step().map_err(|e| e.to_string())?;
+        say!(
+            "measured: the best pipeline's step held {} on the cpu backend, {} the cap of {}",
+            gib(m.peak_bytes),
+            if m.peak_bytes as u64 <= cap {
+                "within"
+            } else {
+                "ABOVE"
+            },
+            gib(cap as usize)
+        );
+        if m.peak_bytes as u64 > cap {
+            return Err("the best pipeline's measured memory is above --memory-cap".into());
+        }
+    }
     Ok(())
+}
+
+/// `synthetic:SEED[:DELAY_MS]`: the seeded synthetic objective over `space`.
+fn synthetic_objective(
+    spec: &str,
+    space: &graphtrain_autoresearch::space::Space,
+) -> Result<graphtrain_autoresearch::synthetic::Synthetic, String> {
+    let bad = || {
+        format!("--objective `{spec}`: expected `measured`, `synthetic:SEED` or `synthetic:SEED:DELAY_MS`")
+    };
+    let rest = spec.strip_prefix("synthetic:").ok_or_else(bad)?;
+    let mut parts = rest.split(':');
+    let seed: u64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let delay_ms: u64 = match parts.next() {
+        Some(p) => p.parse().map_err(|_| bad())?,
+        None => 0,
+    };
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    let mut s = graphtrain_autoresearch::synthetic::Synthetic::random(space.clone(), seed, 0.1);
+    s.delay = std::time::Duration::from_millis(delay_ms);
+    Ok(s)
 }
 
 /// Parses `args` (program name first), runs the command with the built-in passes, prints errors,
@@ -1231,7 +1353,7 @@ fn model_config(m: &ModelArgs) -> Result<Llama3Config, String> {
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Buffer offsets are aligned for 512-bit vector loads.
-const ARENA_ALIGNMENT: usize = 64;
+pub(crate) const ARENA_ALIGNMENT: usize = 64;
 
 fn gib(bytes: usize) -> String {
     let b = bytes as f64;
@@ -2245,7 +2367,11 @@ fn plot(a: PlotArgs) -> Result<(), String> {
                 log.vals.len()
             );
         }
-        (None, None) => return Err("give a metrics log or --trace FILE".into()),
+        (None, None) if !a.search.is_empty() => {
+            crate::plot::plot_search(&a.search, &a.out)?;
+            say!("wrote {} ({} searches)", a.out.display(), a.search.len());
+        }
+        (None, None) => return Err("give a metrics log, --trace FILE or --search DIR".into()),
     }
     Ok(())
 }

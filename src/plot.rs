@@ -1,6 +1,7 @@
 //! Charts of a run that can be looked at without a browser (`graphtrain plot`): the metrics log
-//! as panels against step (loss and validation loss, tokens/s, memory), and a step's timeline
-//! as lanes (a Gantt chart of what ran when).
+//! as panels against step (loss and validation loss, tokens/s, memory), a step's timeline as
+//! lanes (a Gantt chart of what ran when), and searches' best-so-far speed against the pairs
+//! they timed.
 //!
 //! The file's extension picks the format: `.svg` (text as SVG `<text>`, rendered by the viewer)
 //! or `.png` (text rasterized with the Hack font bundled in `epaint_default_fonts`, so no system
@@ -325,6 +326,85 @@ where
                 (FONT, 11).into_font().color(&BLACK),
             ))
         }))
+        .map_err(err)?;
+    Ok(())
+}
+
+/// Each search log's best-so-far speed (the kept ratios multiplied up, relative to its start)
+/// against the pairs of steps it had timed, one line per log, labelled by proposer and folder.
+pub fn plot_search(dirs: &[std::path::PathBuf], out: &Path) -> Result<(), String> {
+    format_of(out)?;
+    let mut series = Vec::new();
+    for dir in dirs {
+        let lines = graphtrain_autoresearch::journal::read(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let Some(first) = lines.first() else {
+            return Err(format!("{}: no experiment logged yet", dir.display()));
+        };
+        let name = dir
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+        let label = format!("{} ({name})", first.proposer);
+        let (mut pairs, mut speed) = (0usize, 1.0f64);
+        let mut points = vec![(0.0, 1.0)];
+        for l in &lines {
+            pairs += l.pairs;
+            if l.status == "keep" && l.ratio.is_finite() {
+                speed *= l.ratio;
+            }
+            points.push((pairs as f64, speed));
+        }
+        series.push((label, points));
+    }
+    let draw = |root: &DrawingArea<SVGBackend, Shift>| search_chart(root, &series);
+    let draw_png = |root: &DrawingArea<BitMapBackend, Shift>| search_chart(root, &series);
+    render(out, (900, 500), draw, draw_png)
+}
+
+fn search_chart<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let all = || series.iter().flat_map(|s| s.1.iter());
+    let (_, x_hi) = bounds(all().map(|p| p.0));
+    let (lo, hi) = bounds(all().map(|p| p.1));
+    let mut chart = ChartBuilder::on(root)
+        .caption("best-so-far speed (relative to the start)", (FONT, 20))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(padded(0.0, x_hi), padded(lo, hi))
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("pairs of steps timed")
+        .draw()
+        .map_err(err)?;
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        // A step line: the best so far holds until the next keep.
+        let mut steps = Vec::new();
+        for w in points.windows(2) {
+            steps.push(w[0]);
+            steps.push((w[1].0, w[0].1));
+        }
+        steps.extend(points.last());
+        chart
+            .draw_series(LineSeries::new(steps, &color))
+            .map_err(err)?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
         .map_err(err)?;
     Ok(())
 }

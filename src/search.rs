@@ -4,16 +4,22 @@
 //! against the incumbent in interleaved pairs of real training steps, both compiled in this
 //! process. The best pipeline is written as a RON file `run --pipeline` takes.
 //!
+//! Each candidate is predicted first from its optimized graph: the buffer planner's arena (the
+//! peak `--memory-cap` bounds), FLOPs and node count (the pre-filter).
+//!
 //! Not yet: a supervised worker process per candidate (a crash of a candidate ends the search,
-//! logged up to the experiment before), the evolutionary and external (`--proposer CMD`)
-//! proposers, a memory cap, meshes, and the best-so-far plot.
+//! logged up to the experiment before), meshes, and lowering or runtime knobs (kernel block
+//! sizes, threads) in the search space.
 
 use crate::bench;
+use crate::cli::ARENA_ALIGNMENT;
 use crate::cli::{trainer_for, TrainArgs};
 use crate::trainer::{build_step, Trainer};
-use graphtrain_autoresearch::search::Objective;
+use graphtrain_autoresearch::search::{Objective, Prediction};
 use graphtrain_ir::optim::OptimConfig;
+use graphtrain_ir::stats::GraphStats;
 use graphtrain_ir::{DType, Graph};
+use graphtrain_lowering::plan_buffers;
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{Pipeline, PipelineSpec, Registry};
 use graphtrain_runtime::{Backend, Fingerprint};
@@ -80,10 +86,16 @@ impl<'a> Measured<'a> {
 }
 
 impl Objective for Measured<'_> {
-    fn fingerprint(&mut self, list: &str) -> Result<String, String> {
+    fn predict(&mut self, list: &str) -> Result<Prediction, String> {
         let pipeline = self.pipeline(list)?;
         let (optimized, _) = pipeline.run(&self.step).map_err(|e| e.to_string())?;
-        Ok(Fingerprint::of(&optimized).to_string())
+        let stats = GraphStats::of(&optimized);
+        Ok(Prediction {
+            fingerprint: Fingerprint::of(&optimized).to_string(),
+            peak_bytes: plan_buffers(&optimized, ARENA_ALIGNMENT).arena_bytes as u64,
+            flops: stats.flops,
+            nodes: stats.nodes,
+        })
     }
 
     fn numerics(&mut self, list: &str) -> Result<(), String> {

@@ -938,9 +938,11 @@ fn search_logs_resumes_and_refuses_bad_input() {
     let second = std::fs::read_to_string(log.join("results.tsv")).unwrap();
     assert_eq!(second.lines().count(), 6, "{second}");
     assert!(second.starts_with(&first), "the logged lines changed");
-    std::fs::write(log.join("lock"), "12345\n").unwrap();
+    // A lock whose process lives (this test's) is respected.
+    let me = std::process::id().to_string();
+    std::fs::write(log.join("lock"), format!("{me}\n")).unwrap();
     let o = graphtrain(&[&base[..], &["--experiments", "6"]].concat());
-    assert_clean_error(&o, &["another search holds", "pid 12345"]);
+    assert_clean_error(&o, &["another search holds", &format!("pid {me}")]);
     std::fs::remove_file(log.join("lock")).unwrap();
     let o = graphtrain(&[&base[..], &["--proposer", "genetic"]].concat());
     assert_clean_error(&o, &["unknown proposer `genetic`"]);
@@ -957,4 +959,174 @@ fn search_logs_resumes_and_refuses_bad_input() {
         &o,
         &["--passes as a start of the search", "after the ones before"],
     );
+}
+
+/// `graphtrain search` on the seeded synthetic objective, logging into `log`.
+fn synthetic_search(log: &std::path::Path, objective: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_graphtrain"));
+    c.args([
+        "search",
+        "--config",
+        "tiny",
+        "--passes",
+        "none",
+        "--objective",
+        objective,
+        "--log",
+        log.to_str().unwrap(),
+    ])
+    .args(extra);
+    c
+}
+
+/// A search killed with SIGKILL in the middle of an experiment resumes from its log (taking
+/// over the lock the killed process left) and logs exactly what an uninterrupted one does.
+#[test]
+fn a_killed_search_resumes_to_the_uninterrupted_log() {
+    let dir = scratch_dir("search-kill");
+    let (straight, killed) = (dir.join("straight"), dir.join("killed"));
+    for d in [&straight, &killed] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let args = ["--experiments", "14", "--proposer", "evolution"];
+    let o = synthetic_search(&straight, "synthetic:7", &args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let results =
+        |d: &std::path::Path| std::fs::read_to_string(d.join("results.tsv")).unwrap_or_default();
+    // Each timed pair takes 20 ms: an experiment lasts 0.3 to 3 s, so the kill lands inside one.
+    let mut child = synthetic_search(&killed, "synthetic:7:20", &args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while results(&killed).lines().count() < 5 {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the search ended ({status}) before it could be killed: make it longer");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the search logged nothing"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    child.kill().unwrap();
+    assert!(!child.wait().unwrap().success());
+    let logged = results(&killed).lines().count();
+    assert!(
+        logged < 15,
+        "the search finished before the kill: {logged} lines"
+    );
+    assert!(
+        killed.join("lock").exists(),
+        "a killed search leaves its lock"
+    );
+    let o = synthetic_search(&killed, "synthetic:7", &args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("resuming the search"), "{}", stdout(&o));
+    assert_eq!(results(&straight), results(&killed));
+    assert!(killed.join("progress.png").exists());
+}
+
+/// An external proposer: the example script drives a search; one that prints garbage, fails or
+/// hangs has each experiment logged `invalid` with the reason, and the search goes on.
+#[test]
+fn external_proposers_are_run_and_their_failures_logged() {
+    let dir = scratch_dir("search-proposer");
+    let script = format!(
+        "python3 {}/autoresearch/examples/propose.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let cases: [(&str, &str, Option<&str>); 4] = [
+        ("script", script.as_str(), None),
+        (
+            "garbage",
+            "echo '%% nonsense'",
+            Some("the proposer printed `%% nonsense`"),
+        ),
+        ("fails", "echo boom >&2; exit 4", Some("exited with")),
+        ("hangs", "sleep 20", Some("did not answer within 1 s")),
+    ];
+    for (name, command, invalid) in cases {
+        let log = dir.join(name);
+        let _ = std::fs::remove_dir_all(&log);
+        let o = synthetic_search(
+            &log,
+            "synthetic:3",
+            &[
+                "--experiments",
+                "4",
+                "--aa-every",
+                "0",
+                "--proposer",
+                command,
+                "--proposer-timeout",
+                "1",
+            ],
+        )
+        .output()
+        .unwrap();
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let results = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+        let lines: Vec<&str> = results.lines().skip(1).collect();
+        assert_eq!(lines.len(), 4, "{name}: {results}");
+        match invalid {
+            None => {
+                // The script's first answers are the incumbent's untried neighbours, in knob order.
+                assert!(lines[0].contains("\texternal\t"), "{results}");
+                assert!(
+                    lines.iter().all(|l| !l.contains("\tinvalid\t")),
+                    "{results}"
+                );
+                assert!(
+                    lines[0].ends_with("\tcanonicalize\t") || lines[0].contains("\tcanonicalize\t"),
+                    "{results}"
+                );
+            }
+            Some(reason) => assert!(
+                lines
+                    .iter()
+                    .all(|l| l.contains("\tinvalid\t") && l.contains(reason)),
+                "{name}: {results}"
+            ),
+        }
+    }
+}
+
+/// `--memory-cap`: below every pipeline's peak, the search says so with the smallest peak it
+/// found and writes no best pipeline; a malformed cap is refused.
+#[test]
+fn a_memory_cap_no_pipeline_meets_is_reported_with_the_smallest_peak() {
+    let dir = scratch_dir("search-cap");
+    let log = dir.join("s");
+    let _ = std::fs::remove_dir_all(&log);
+    let o = synthetic_search(
+        &log,
+        "synthetic:2",
+        &["--experiments", "8", "--memory-cap", "1KiB"],
+    )
+    .output()
+    .unwrap();
+    assert_clean_error(
+        &o,
+        &[
+            "no pipeline tried fits under --memory-cap",
+            "the smallest predicted peak was",
+        ],
+    );
+    assert!(!log.join("best.ron").exists());
+    let results = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    assert!(results.contains("\tover-cap\t"), "{results}");
+    let o = synthetic_search(&dir.join("t"), "synthetic:2", &["--memory-cap", "12MB"])
+        .output()
+        .unwrap();
+    assert_clean_error(&o, &["--memory-cap `12MB`", "KiB, MiB or GiB"]);
+    let o = synthetic_search(&dir.join("u"), "synthetic:x", &[])
+        .output()
+        .unwrap();
+    assert_clean_error(&o, &["--objective `synthetic:x`"]);
 }

@@ -10,3 +10,4 @@ pub mod rng;
 pub mod search;
 pub mod space;
 pub mod stats;
+pub mod synthetic;

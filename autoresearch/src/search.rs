@@ -1,26 +1,43 @@
-//! The loop: propose, gate, measure, decide, log; resumable from the log.
+//! The loop: propose, predict, gate, measure, decide, log; resumable from the log.
 //!
-//! Each experiment draws from its own stream (seed, experiment number). A candidate is skipped
-//! (and drawn again, up to `TRIES` times) when it breaks a rule or runs a pipeline already tried;
-//! its optimized graph's fingerprint is then compared with every one seen (many pipelines give
-//! the same graph: measured once, logged `duplicate`). The numerics gate runs before any timing;
-//! a failure is logged `numerics` and never kept. The keep rule decides on interleaved pairs; a
-//! keep is confirmed on fresh pairs before the candidate becomes the incumbent (else
-//! `unconfirmed`). Every `aa_every` experiments the incumbent is measured against itself, and the
-//! log says whether the rule would have kept it: the rule's false-keep rate, measured.
+//! Each experiment draws from its own stream (seed, experiment number). A built-in proposer's
+//! candidate is drawn again (up to `TRIES` times) when it breaks a rule or runs a pipeline
+//! already tried. Its optimized graph is then predicted: a fingerprint (many pipelines give the
+//! same graph: measured once, logged `duplicate`), the planner's peak (above `memory_cap`:
+//! `over-cap`, never timed), FLOPs and node count (the static pre-filter: more arithmetic and no
+//! fewer nodes than the incumbent is `filtered`, never timed). The numerics gate runs before any
+//! timing; a failure is logged `numerics` and never kept. The keep rule decides on interleaved
+//! pairs; a keep is confirmed on fresh pairs before the candidate becomes the incumbent (else
+//! `unconfirmed`). While the incumbent itself is over the cap, the first candidate under it that
+//! passes numerics is kept untimed: the search answers "the fastest that fits". Every `aa_every`
+//! experiments the incumbent is measured against itself, and the log says whether the rule would
+//! have kept it: the rule's false-keep rate, measured.
 
 use crate::journal::{Journal, Line};
-use crate::propose::Proposer;
+use crate::propose::{Proposer, State, Tried};
 use crate::rng::Rng;
 use crate::space::{Candidate, Space};
 use crate::stats::{Decision, KeepRule, Verdict};
 
+/// What is known of a candidate's optimized step before it runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prediction {
+    /// Equal graphs, equal fingerprints.
+    pub fingerprint: String,
+    /// The planner's peak memory of the step, in bytes.
+    pub peak_bytes: u64,
+    pub flops: f64,
+    pub nodes: usize,
+}
+
 /// What the search measures: graphtrain's CLI times steps on this machine; a simulator can
 /// predict them instead.
 pub trait Objective {
-    /// A fingerprint of the graph `pipeline` gives (equal graphs, equal fingerprints), or why
-    /// the pipeline cannot be built.
-    fn fingerprint(&mut self, pipeline: &str) -> Result<String, String>;
+    /// Experiment `k` starts (a seeded fake timer keys its draws on it, so a resumed search
+    /// draws what an uninterrupted one did).
+    fn begin(&mut self, _experiment: usize) {}
+    /// The static facts of the graph `pipeline` gives, or why the pipeline cannot be built.
+    fn predict(&mut self, pipeline: &str) -> Result<Prediction, String>;
     /// `Ok` when `pipeline` trains as the unoptimized step does (bitwise for tier 1), else why.
     fn numerics(&mut self, pipeline: &str) -> Result<(), String>;
     /// `k` interleaved pairs of (incumbent step time, candidate step time), in seconds.
@@ -44,21 +61,85 @@ pub struct Search {
     pub start: Candidate,
     /// No experiment starts after this (the one under way finishes).
     pub deadline: Option<std::time::Instant>,
+    /// The most a pipeline's predicted peak may be, in bytes.
+    pub memory_cap: Option<u64>,
+    /// Skip (log `filtered`) candidates predicted to do more arithmetic with no fewer nodes.
+    pub prefilter: bool,
 }
 
 /// How many draws an experiment may spend looking for an untried valid candidate.
 const TRIES: usize = 64;
 
+/// The pre-filter's margin: FLOPs within 1% of the incumbent's count as equal.
+const FLOPS_MARGIN: f64 = 1.01;
+
 /// What a search ended with.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Outcome {
     pub incumbent: String,
+    pub incumbent_peak: u64,
+    /// Whether the incumbent's predicted peak is within the cap (true without one).
+    pub fits: bool,
+    /// The smallest predicted peak among the pipelines tried, with its pipeline.
+    pub smallest_peak: Option<(u64, String)>,
     pub kept: usize,
     /// A/A checks run and how many the rule would have kept.
     pub aa_runs: usize,
     pub aa_keeps: usize,
     /// Whether the proposer ran out of untried candidates.
     pub exhausted: bool,
+}
+
+/// The search's state, rebuilt from the log on resume.
+struct Progress {
+    incumbent: Candidate,
+    predicted: Prediction,
+    /// The incumbent's estimated speed relative to the start.
+    speed: f64,
+    /// Pipelines tried, with their experiment (`None`: the start).
+    tried: Vec<(String, Option<usize>)>,
+    seen: Vec<String>,
+    history: Vec<Tried>,
+    smallest: Option<(u64, String)>,
+}
+
+impl Progress {
+    fn note_peak(&mut self, peak: u64, pipeline: &str) {
+        if peak > 0 && self.smallest.as_ref().is_none_or(|(p, _)| peak < *p) {
+            self.smallest = Some((peak, pipeline.to_string()));
+        }
+    }
+
+    /// Takes in one finished experiment's line.
+    fn record(&mut self, space: &Space, l: &Line) -> Result<(), String> {
+        if l.status == "aa" {
+            return Ok(());
+        }
+        self.tried.push((l.pipeline.clone(), Some(l.experiment)));
+        if !l.fingerprint.is_empty() {
+            self.seen.push(l.fingerprint.clone());
+        }
+        self.note_peak(l.peak_bytes, &l.pipeline);
+        let timed = matches!(l.status.as_str(), "keep" | "discard" | "unconfirmed");
+        let speed = (timed && l.ratio.is_finite()).then_some(self.speed * l.ratio);
+        if l.status == "keep" {
+            self.incumbent = space.parse(&l.pipeline)?;
+            // A keep under the cap is untimed: the speed estimate carries over.
+            self.speed = speed.unwrap_or(self.speed);
+        }
+        self.history.push(Tried {
+            experiment: l.experiment,
+            status: l.status.clone(),
+            pipeline: l.pipeline.clone(),
+            ratio: l.ratio,
+            speed,
+        });
+        Ok(())
+    }
+}
+
+fn fits(cap: Option<u64>, peak: u64) -> bool {
+    cap.is_none_or(|c| peak <= c)
 }
 
 impl Search {
@@ -69,20 +150,29 @@ impl Search {
         objective: &mut dyn Objective,
         mut progress: impl FnMut(&Line, &str),
     ) -> Result<Outcome, String> {
-        let mut incumbent = self.start.clone();
-        let mut tried: Vec<String> = vec![self.space.pipeline(&incumbent)];
-        let mut seen: Vec<String> = Vec::new();
+        let start = self.space.pipeline(&self.start);
+        let start_predicted = objective
+            .predict(&start)
+            .map_err(|e| format!("the start `{start}`: {e}"))?;
+        let mut p = Progress {
+            incumbent: self.start.clone(),
+            predicted: start_predicted.clone(),
+            speed: 1.0,
+            tried: vec![(start.clone(), None)],
+            seen: vec![start_predicted.fingerprint.clone()],
+            history: Vec::new(),
+            smallest: None,
+        };
+        p.note_peak(start_predicted.peak_bytes, &start);
         for line in &journal.lines {
-            tried.push(line.pipeline.clone());
-            if !line.fingerprint.is_empty() {
-                seen.push(line.fingerprint.clone());
-            }
-            if line.status == "keep" {
-                incumbent = self.space.parse(&line.pipeline)?;
-            }
+            p.record(&self.space, line)?;
         }
-        let start_fp = objective.fingerprint(&self.space.pipeline(&self.start))?;
-        seen.push(start_fp);
+        if p.incumbent != self.start {
+            let current = self.space.pipeline(&p.incumbent);
+            p.predicted = objective
+                .predict(&current)
+                .map_err(|e| format!("the logged incumbent `{current}`: {e}"))?;
+        }
         let mut exhausted = false;
         let proposer_name = proposer.name().to_string();
         for k in journal.lines.len()..self.experiments {
@@ -92,21 +182,27 @@ impl Search {
             {
                 break;
             }
+            objective.begin(k);
             let mut rng = Rng::new(self.seed, k as u64);
-            let current = self.space.pipeline(&incumbent);
-            let line =
-                |status: &str, v: Option<&Verdict>, fp: &str, pipeline: &str, why: String| Line {
-                    experiment: k,
-                    proposer: proposer_name.clone(),
-                    status: status.into(),
-                    ratio: v.map_or(f64::NAN, |v| v.ratio),
-                    lo: v.map_or(f64::NAN, |v| v.lo),
-                    hi: v.map_or(f64::NAN, |v| v.hi),
-                    pairs: v.map_or(0, |v| v.pairs),
-                    fingerprint: fp.into(),
-                    pipeline: pipeline.into(),
-                    description: why,
-                };
+            let current = self.space.pipeline(&p.incumbent);
+            let line = |status: &str,
+                        v: Option<&Verdict>,
+                        peak: u64,
+                        fp: &str,
+                        pipeline: &str,
+                        why: String| Line {
+                experiment: k,
+                proposer: proposer_name.clone(),
+                status: status.into(),
+                ratio: v.map_or(f64::NAN, |v| v.ratio),
+                lo: v.map_or(f64::NAN, |v| v.lo),
+                hi: v.map_or(f64::NAN, |v| v.hi),
+                pairs: v.map_or(0, |v| v.pairs),
+                peak_bytes: peak,
+                fingerprint: fp.into(),
+                pipeline: pipeline.into(),
+                description: why,
+            };
             if self.aa_every > 0 && k % self.aa_every == self.aa_every - 1 {
                 let (v, pairs) = self
                     .rule
@@ -118,6 +214,7 @@ impl Search {
                 let l = line(
                     "aa",
                     Some(&v),
+                    p.predicted.peak_bytes,
                     "",
                     &current,
                     format!("incumbent against itself: {said}"),
@@ -126,77 +223,68 @@ impl Search {
                 journal.append(l, &pairs)?;
                 continue;
             }
-            let mut candidate = None;
-            for _ in 0..TRIES {
-                let c = proposer.propose(&self.space, &incumbent, &mut rng);
-                if self.space.validate(&c).is_ok() && !tried.contains(&self.space.pipeline(&c)) {
-                    candidate = Some(c);
-                    break;
-                }
-            }
-            let Some(candidate) = candidate else {
-                exhausted = true;
-                break;
+            let state = State {
+                experiment: k,
+                incumbent: &p.incumbent,
+                incumbent_speed: p.speed,
+                history: &p.history,
             };
-            let pipeline = self.space.pipeline(&candidate);
-            tried.push(pipeline.clone());
-            let l = match objective.fingerprint(&pipeline) {
-                Err(why) => line("invalid", None, "", &pipeline, why),
-                Ok(fp) if seen.contains(&fp) => line(
-                    "duplicate",
-                    None,
-                    &fp,
-                    &pipeline,
-                    "a graph already measured".into(),
-                ),
-                Ok(fp) => {
-                    seen.push(fp.clone());
-                    match objective.numerics(&pipeline) {
-                        Err(why) => line("numerics", None, &fp, &pipeline, why),
-                        Ok(()) => {
-                            let measured = self.rule.decide(rng.next_u64(), |n| {
-                                objective.pairs(&current, &pipeline, n)
-                            });
-                            match measured {
-                                Err(why) => line("crash", None, &fp, &pipeline, why),
-                                Ok((v, pairs)) if v.decision != Decision::Keep => {
-                                    let l = line(
-                                        "discard",
-                                        Some(&v),
-                                        &fp,
-                                        &pipeline,
-                                        format!("against `{current}`"),
-                                    );
-                                    progress(&l, &current);
-                                    journal.append(l, &pairs)?;
-                                    continue;
-                                }
-                                Ok((v, mut pairs)) => {
-                                    let confirm = self.rule.decide(rng.next_u64(), |n| {
-                                        objective.pairs(&current, &pipeline, n)
-                                    })?;
-                                    pairs.extend(confirm.1);
-                                    let l = if confirm.0.decision == Decision::Keep {
-                                        incumbent = candidate.clone();
-                                        line("keep", Some(&confirm.0), &fp, &pipeline, format!("over `{current}`, confirmed (first {:.3} [{:.3}, {:.3}])", v.ratio, v.lo, v.hi))
-                                    } else {
-                                        line("unconfirmed", Some(&confirm.0), &fp, &pipeline, format!("kept at first ({:.3} [{:.3}, {:.3}]), not on fresh pairs", v.ratio, v.lo, v.hi))
-                                    };
-                                    progress(&l, &self.space.pipeline(&incumbent));
-                                    journal.append(l, &pairs)?;
-                                    continue;
-                                }
-                            }
+            // A built-in proposer draws until it finds an untried valid candidate; an external
+            // one is asked once, and what it answers is logged whatever it is.
+            let proposed = if proposer.redraws() {
+                let mut found = None;
+                for _ in 0..TRIES {
+                    let c = proposer.propose(&self.space, &state, &mut rng)?;
+                    let pipeline = self.space.pipeline(&c);
+                    if self.space.validate(&c).is_ok() && !p.tried.iter().any(|t| t.0 == pipeline) {
+                        found = Some(c);
+                        break;
+                    }
+                }
+                match found {
+                    Some(c) => Ok(c),
+                    None => {
+                        exhausted = true;
+                        break;
+                    }
+                }
+            } else {
+                proposer
+                    .propose(&self.space, &state, &mut rng)
+                    .and_then(|c| self.space.validate(&c).map(|()| c))
+            };
+            let (l, pairs) = match proposed {
+                Err(why) => (line("invalid", None, 0, "", "-", why), Vec::new()),
+                Ok(candidate) => {
+                    let pipeline = self.space.pipeline(&candidate);
+                    match p.tried.iter().find(|t| t.0 == pipeline) {
+                        Some((_, when)) => {
+                            let why = match when {
+                                Some(e) => format!("tried in experiment {e}"),
+                                None => "the search's start".into(),
+                            };
+                            (line("duplicate", None, 0, "", &pipeline, why), Vec::new())
                         }
+                        None => self.try_candidate(
+                            &mut p, objective, &mut rng, &current, &candidate, &line,
+                        )?,
                     }
                 }
             };
-            progress(&l, &current);
-            journal.append(l, &[])?;
+            p.record(&self.space, &l)?;
+            progress(&l, &self.space.pipeline(&p.incumbent));
+            journal.append(l, &pairs)?;
+            if p.incumbent != self.space.parse(&current)? {
+                let now = self.space.pipeline(&p.incumbent);
+                p.predicted = objective.predict(&now)?;
+            }
         }
         let aa: Vec<&Line> = journal.lines.iter().filter(|l| l.status == "aa").collect();
         Ok(Outcome {
-            incumbent: self.space.pipeline(&incumbent),
+            incumbent: self.space.pipeline(&p.incumbent),
+            incumbent_peak: p.predicted.peak_bytes,
+            fits: fits(self.memory_cap, p.predicted.peak_bytes),
+            smallest_peak: p.smallest,
             kept: journal.lines.iter().filter(|l| l.status == "keep").count(),
             aa_runs: aa.len(),
             aa_keeps: aa
@@ -206,79 +294,103 @@ impl Search {
             exhausted,
         })
     }
+
+    /// One untried candidate through prediction, the cap, the pre-filter, numerics and timing.
+    #[allow(clippy::type_complexity)]
+    fn try_candidate(
+        &self,
+        p: &mut Progress,
+        objective: &mut dyn Objective,
+        rng: &mut Rng,
+        current: &str,
+        candidate: &Candidate,
+        line: &dyn Fn(&str, Option<&Verdict>, u64, &str, &str, String) -> Line,
+    ) -> Result<(Line, Vec<(f64, f64)>), String> {
+        let pipeline = self.space.pipeline(candidate);
+        let untimed = |l: Line| Ok((l, Vec::new()));
+        let predicted = match objective.predict(&pipeline) {
+            Err(why) => return untimed(line("invalid", None, 0, "", &pipeline, why)),
+            Ok(x) => x,
+        };
+        let (peak, fp) = (predicted.peak_bytes, predicted.fingerprint.as_str());
+        if p.seen.iter().any(|s| s == fp) {
+            let why = "a graph already measured".to_string();
+            return untimed(line("duplicate", None, peak, fp, &pipeline, why));
+        }
+        let incumbent_fits = fits(self.memory_cap, p.predicted.peak_bytes);
+        if let Some(cap) = self.memory_cap.filter(|&c| peak > c) {
+            let why = format!("predicted peak {peak} bytes above the cap of {cap}");
+            return untimed(line("over-cap", None, peak, fp, &pipeline, why));
+        }
+        let inc = &p.predicted;
+        if self.prefilter
+            && incumbent_fits
+            && predicted.flops > inc.flops * FLOPS_MARGIN
+            && predicted.nodes >= inc.nodes
+        {
+            let why = format!(
+                "predicted slower: {:.3e} FLOPs against {:.3e}, {} nodes against {}",
+                predicted.flops, inc.flops, predicted.nodes, inc.nodes
+            );
+            return untimed(line("filtered", None, peak, fp, &pipeline, why));
+        }
+        if let Err(why) = objective.numerics(&pipeline) {
+            return untimed(line("numerics", None, peak, fp, &pipeline, why));
+        }
+        if !incumbent_fits {
+            let why = format!(
+                "fits under the cap (predicted peak {peak} bytes) where `{current}` ({} bytes) does not",
+                inc.peak_bytes
+            );
+            return untimed(line("keep", None, peak, fp, &pipeline, why));
+        }
+        let measured = self
+            .rule
+            .decide(rng.next_u64(), |n| objective.pairs(current, &pipeline, n));
+        let (v, mut pairs) = match measured {
+            Err(why) => return untimed(line("crash", None, peak, fp, &pipeline, why)),
+            Ok(x) => x,
+        };
+        if v.decision != Decision::Keep {
+            let why = format!("against `{current}`");
+            return Ok((line("discard", Some(&v), peak, fp, &pipeline, why), pairs));
+        }
+        let (confirm, more) = self
+            .rule
+            .decide(rng.next_u64(), |n| objective.pairs(current, &pipeline, n))?;
+        pairs.extend(more);
+        let first = format!("{:.3} [{:.3}, {:.3}]", v.ratio, v.lo, v.hi);
+        let l = if confirm.decision == Decision::Keep {
+            let why = format!("over `{current}`, confirmed (first {first})");
+            line("keep", Some(&confirm), peak, fp, &pipeline, why)
+        } else {
+            let why = format!("kept at first ({first}), not on fresh pairs");
+            line("unconfirmed", Some(&confirm), peak, fp, &pipeline, why)
+        };
+        Ok((l, pairs))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::propose::{Neighbour, RandomSearch};
-    use crate::stats::SyntheticTimer;
-    use std::collections::HashMap;
+    use crate::propose::{Evolution, Neighbour, RandomSearch};
+    use crate::synthetic::Synthetic;
 
-    /// A seeded objective with a known optimum (canonicalize, cse and capture on, the rest off):
-    /// each pass that is on changes the step time by a fixed factor (`ac` and `offload` slow
-    /// it, `dce` gives the same graph); `egraph` fails numerics; the timer adds drift, noise and
-    /// outliers.
-    struct Fake {
-        timer: SyntheticTimer,
-        space: Space,
-        /// Pipelines whose numerics "fail".
-        broken: Vec<String>,
-    }
-
-    impl Fake {
-        fn new(seed: u64) -> Fake {
-            Fake {
-                timer: SyntheticTimer::new(seed, 0.0, 0.05),
-                space: Space::builtin(false),
-                broken: vec!["egraph".into()],
-            }
+    /// A known optimum (canonicalize, cse and capture on, the rest off): `ac` and `offload`
+    /// slow the step and save memory, `dce` gives the graph without it, `egraph` fails numerics.
+    fn fake(seed: u64) -> Synthetic {
+        let mut f = Synthetic::flat(Space::builtin(false), seed, 0.05);
+        f.set("canonicalize", "on", 0.95, 1.0, 1.0);
+        f.set("cse", "on", 0.9, 1.0, 1.0);
+        f.set("capture", "on", 0.8, 1.0, 1.0);
+        for (choice, peak) in [("selective", 0.7), ("full", 0.4), ("budget:0.25", 0.8)] {
+            f.set("ac", choice, 1.3, peak, 1.3);
         }
-
-        fn time(&self, pipeline: &str) -> f64 {
-            let factors: HashMap<&str, f64> = [
-                ("canonicalize", 0.95),
-                ("cse", 0.9),
-                ("capture", 0.8),
-                ("ac", 1.3),
-                ("offload", 1.2),
-            ]
-            .into();
-            pipeline
-                .split(',')
-                .map(|p| p.split('=').next().unwrap())
-                .map(|p| factors.get(p).copied().unwrap_or(1.0))
-                .product()
-        }
-    }
-
-    impl Objective for Fake {
-        fn fingerprint(&mut self, pipeline: &str) -> Result<String, String> {
-            // dce alone changes nothing here: its graph is the one without it.
-            let c = self.space.parse(pipeline)?;
-            Ok(self
-                .space
-                .pipeline(&c)
-                .replace("dce,", "")
-                .replace(",dce", ""))
-        }
-
-        fn numerics(&mut self, pipeline: &str) -> Result<(), String> {
-            match self.broken.iter().find(|b| pipeline.contains(b.as_str())) {
-                Some(b) => Err(format!("`{b}` changed the loss at step 1")),
-                None => Ok(()),
-            }
-        }
-
-        fn pairs(&mut self, a: &str, b: &str, k: usize) -> Result<Vec<(f64, f64)>, String> {
-            let (ta, tb) = (self.time(a), self.time(b));
-            Ok(self
-                .timer
-                .pairs(k)
-                .into_iter()
-                .map(|(x, y)| (x * ta, y * tb))
-                .collect())
-        }
+        f.set("offload", "tagged", 1.2, 0.9, 1.0);
+        f.neutral.push(f.choice("dce", "on").0);
+        f.broken.push(f.choice("egraph", "on"));
+        f
     }
 
     fn dir(name: &str) -> std::path::PathBuf {
@@ -297,6 +409,8 @@ mod tests {
             experiments,
             aa_every: 5,
             deadline: None,
+            memory_cap: None,
+            prefilter: true,
         }
     }
 
@@ -304,17 +418,19 @@ mod tests {
     fn the_neighbour_search_finds_the_known_optimum_and_logs_every_kind() {
         let d = dir("optimum");
         let mut j = Journal::open(&d).unwrap();
-        let out = search(30)
-            .run(&mut j, &mut Neighbour, &mut Fake::new(1), |_, _| {})
+        let out = search(40)
+            .run(&mut j, &mut Neighbour, &mut fake(1), |_, _| {})
             .unwrap();
         // `dce` changes no graph here (a duplicate); every neighbour of the optimum was tried.
         assert_eq!(out.incumbent, "canonicalize,cse,capture", "{:?}", j.lines);
         assert!(out.exhausted);
         let statuses: Vec<&str> = j.lines.iter().map(|l| l.status.as_str()).collect();
-        for s in ["keep", "discard", "numerics", "aa"] {
-            assert!(statuses.contains(&s), "{statuses:?}");
+        // `ac` does more work in as many nodes: filtered, never timed.
+        for s in ["keep", "discard", "numerics", "duplicate", "filtered", "aa"] {
+            assert!(statuses.contains(&s), "{s} not in {statuses:?}");
         }
         assert_eq!(out.aa_keeps, 0);
+        assert!(out.fits);
     }
 
     /// A search stopped after 12 experiments and resumed from its log writes the same
@@ -322,41 +438,73 @@ mod tests {
     #[test]
     fn a_resumed_search_logs_what_an_uninterrupted_one_does() {
         let (a, b) = (dir("straight"), dir("resumed"));
-        {
-            let mut j = Journal::open(&a).unwrap();
-            search(24)
-                .run(&mut j, &mut RandomSearch, &mut Fake::new(5), |_, _| {})
-                .unwrap();
-        }
-        {
-            let mut j = Journal::open(&b).unwrap();
-            search(12)
-                .run(&mut j, &mut RandomSearch, &mut Fake::new(5), |_, _| {})
-                .unwrap();
-        }
-        // The resumed half gets a fresh timer whose draws continue where the log's left off:
-        // the timer's state is not in the log, so the fake replays the first half's draws.
-        let mut fake = Fake::new(5);
-        let done: usize = std::fs::read_to_string(b.join("samples.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["pairs"]
-                    .as_array()
-                    .unwrap()
-                    .len()
-            })
-            .sum();
-        fake.timer.pairs(done);
-        {
-            let mut j = Journal::open(&b).unwrap();
-            search(24)
-                .run(&mut j, &mut RandomSearch, &mut fake, |_, _| {})
-                .unwrap();
+        for (d, parts) in [(&a, vec![24]), (&b, vec![12, 24])] {
+            for n in parts {
+                let mut j = Journal::open(d).unwrap();
+                search(n)
+                    .run(&mut j, &mut RandomSearch, &mut fake(5), |_, _| {})
+                    .unwrap();
+            }
         }
         let read = |d: &std::path::Path| std::fs::read_to_string(d.join("results.tsv")).unwrap();
         assert_eq!(read(&a), read(&b));
         assert_eq!(read(&a).lines().count(), 25);
+    }
+
+    #[test]
+    fn under_a_memory_cap_the_fastest_pipeline_that_fits_is_found_or_the_smallest_peak_named() {
+        let f = fake(2);
+        let cap = (f.base_peak as f64 * 0.75) as u64;
+        let d = dir("cap");
+        let mut j = Journal::open(&d).unwrap();
+        let mut s = search(60);
+        s.memory_cap = Some(cap);
+        let out = s
+            .run(&mut j, &mut Evolution::default(), &mut fake(2), |_, _| {})
+            .unwrap();
+        let (best, _) = f.optimum(Some(cap)).unwrap();
+        assert!(out.fits && out.incumbent_peak <= cap, "{out:?}");
+        assert_eq!(out.incumbent, f.space.pipeline(&best), "{:?}", j.lines);
+        assert!(j.lines.iter().any(|l| l.status == "over-cap"));
+        drop(j);
+        let d = dir("cap-none");
+        let mut j = Journal::open(&d).unwrap();
+        s.memory_cap = Some(f.base_peak / 10);
+        s.experiments = 20;
+        let out = s
+            .run(&mut j, &mut Neighbour, &mut fake(2), |_, _| {})
+            .unwrap();
+        assert!(!out.fits);
+        let (peak, pipeline) = out.smallest_peak.unwrap();
+        assert_eq!(peak, (f.base_peak as f64 * 0.4) as u64, "{pipeline}");
+    }
+
+    /// At the same budget, on five seeded synthetic objectives with known optima, the
+    /// evolutionary search ends nearer the optimum than random search does, on average.
+    #[test]
+    fn evolution_beats_random_search_at_the_same_budget() {
+        let gap = |proposer: &mut dyn Proposer, seed: u64| {
+            let f = Synthetic::random(Space::builtin(false), seed, 0.1);
+            let (_, best) = f.optimum(None).unwrap();
+            let d = dir(&format!("cmp-{}-{seed}", proposer.name()));
+            let mut j = Journal::open(&d).unwrap();
+            let mut s = search(30);
+            s.seed = seed;
+            let out = s.run(&mut j, proposer, &mut f.clone(), |_, _| {}).unwrap();
+            f.true_time(&f.space.parse(&out.incumbent).unwrap()) / best
+        };
+        let seeds = 0..5u64;
+        let evolution: f64 = seeds
+            .clone()
+            .map(|s| gap(&mut Evolution::default(), s))
+            .sum();
+        let random: f64 = seeds.map(|s| gap(&mut RandomSearch, s)).sum();
+        assert!(
+            evolution < random,
+            "mean gap to the optimum: evolution {} random {}",
+            evolution / 5.0,
+            random / 5.0
+        );
     }
 
     #[test]
@@ -374,5 +522,10 @@ mod tests {
         let e = Journal::open(&d).err().unwrap();
         assert!(e.contains("results.tsv line 2"), "{e}");
         assert!(d.join("results.tsv").exists());
+        // A lock left by a process that is gone is taken over.
+        let d = dir("stale");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("lock"), "4000000000\n").unwrap();
+        assert!(Journal::open(&d).is_ok());
     }
 }

@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// One pass at its place in the pipeline: `choices[i]` is `off`, `on` (no option) or an option.
+/// One pass at its place in the pipeline: `choices[i]` is `off`, `on` (no option) or an option;
+/// the first after `off` is the pass's default (what a bare name in a pipeline means).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Knob {
     pub pass: String,
@@ -45,8 +46,18 @@ impl Space {
             knob("cse", &["off", "on"]),
             knob("egraph", &["off", "on"]),
             knob("dce", &["off", "on"]),
-            knob("ac", &["off", "selective", "full", "budget:0.5"]),
-            knob("offload", &["off", "tagged"]),
+            knob(
+                "ac",
+                &[
+                    "off",
+                    "selective",
+                    "full",
+                    "budget:0.25",
+                    "budget:0.5",
+                    "budget:0.75",
+                ],
+            ),
+            knob("offload", &["off", "tagged", "tagged;prefetch:2"]),
         ];
         if mesh {
             knobs.extend([
@@ -56,7 +67,7 @@ impl Space {
                 knob("async_tp", &["off", "on"]),
             ]);
         }
-        knobs.push(knob("capture", &["off", "on"]));
+        knobs.push(knob("capture", &["off", "on", "min:8"]));
         Space {
             knobs,
             rules: vec![Rule::Requires {
@@ -160,13 +171,16 @@ impl Space {
                 .ok_or_else(|| {
                     format!("`{item}`: not a knob of the search space after the ones before it")
                 })?;
-            let i = self.knobs[at]
-                .choices
-                .iter()
-                .position(|ch| ch == choice)
-                .ok_or_else(|| {
-                    format!("`{item}`: `{pass}` takes {:?} here", self.knobs[at].choices)
-                })?;
+            let choices = &self.knobs[at].choices;
+            // A bare name is the pass with its default option: `on`, or the first after `off`.
+            let choice = if choice == "on" && !choices.iter().any(|c| c == "on") {
+                choices[1].as_str()
+            } else {
+                choice
+            };
+            let i = choices.iter().position(|ch| ch == choice).ok_or_else(|| {
+                format!("`{item}`: `{pass}` takes {:?} here", self.knobs[at].choices)
+            })?;
             c.0[at] = i;
             next = at + 1;
         }

@@ -55,30 +55,28 @@ impl Schedule {
                 "schedule: unknown option `{option}`; expected memory:BYTES (e.g. memory:64MiB)"
             )
         })?;
-        let (digits, unit) = value.split_at(
-            value
-                .find(|c: char| !c.is_ascii_digit())
-                .unwrap_or(value.len()),
-        );
-        let scale = match unit {
-            "" => 1,
-            "KiB" => 1 << 10,
-            "MiB" => 1 << 20,
-            "GiB" => 1 << 30,
-            _ => {
-                return Err(format!(
-                    "schedule: `{option}`: the unit must be KiB, MiB or GiB (or none, for bytes)"
-                ))
-            }
-        };
-        match digits.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(Schedule {
-                memory_bytes: n.saturating_mul(scale),
-            }),
-            _ => Err(format!(
-                "schedule: `{option}`: the limit must be a whole number of bytes above 0"
-            )),
-        }
+        let memory_bytes = parse_bytes(value).map_err(|e| format!("schedule: `{option}`: {e}"))?;
+        Ok(Schedule { memory_bytes })
+    }
+}
+
+/// A byte count: digits with an optional unit `KiB`, `MiB` or `GiB` (`64MiB`), above 0.
+pub fn parse_bytes(value: &str) -> Result<usize, String> {
+    let (digits, unit) = value.split_at(
+        value
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(value.len()),
+    );
+    let scale = match unit {
+        "" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err("the unit must be KiB, MiB or GiB (or none, for bytes)".into()),
+    };
+    match digits.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n.saturating_mul(scale)),
+        _ => Err("the limit must be a whole number of bytes above 0".into()),
     }
 }
 
