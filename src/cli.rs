@@ -1009,6 +1009,10 @@ pub struct SearchArgs {
     /// rule would have kept it (0: never).
     #[arg(long, default_value_t = 10)]
     pub aa_every: usize,
+    /// The smallest speedup worth keeping (0.02: a candidate must be estimated at least 2%
+    /// faster, with its 95% interval above 1).
+    #[arg(long, default_value_t = 0.02)]
+    pub min_effect: f64,
     /// Steps the numerics gate trains each candidate against the unoptimized step.
     #[arg(long, default_value_t = 3)]
     pub numerics_steps: u64,
@@ -1083,9 +1087,18 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
             a.log.display()
         );
     }
+    if !(0.0..1.0).contains(&a.min_effect) {
+        return Err(format!(
+            "--min-effect {}: a fraction from 0 (any significant gain) to below 1",
+            a.min_effect
+        ));
+    }
     let s = Search {
         space,
-        rule: Default::default(),
+        rule: graphtrain_autoresearch::stats::KeepRule {
+            min_effect: a.min_effect,
+            ..Default::default()
+        },
         seed: a.search_seed,
         experiments: a.experiments,
         aa_every: a.aa_every,
@@ -2223,6 +2236,13 @@ fn print_pass_records(records: &[PassRecord]) {
                 .map(|(k, v)| format!("{k}={}", short_number(*v)))
                 .collect();
             say!("     {}", m.join(" "));
+        }
+        if r.pass == "offload" && !r.report.is_noop() {
+            // The pass's figures are the graph's; what a backend does with them is said here.
+            say!(
+                "     no backend has host memory yet: lowered, `offload` and `reload` are copies \
+within the step's arena, so nothing moves and the step's memory does not drop"
+            );
         }
         // Where the pass declined and why: one line per kind of reason (reasons that differ
         // only in their numbers are one kind), with the first one's text.

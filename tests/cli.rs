@@ -1125,6 +1125,10 @@ fn a_memory_cap_no_pipeline_meets_is_reported_with_the_smallest_peak() {
         .output()
         .unwrap();
     assert_clean_error(&o, &["--memory-cap `12MB`", "KiB, MiB or GiB"]);
+    let o = synthetic_search(&dir.join("v"), "synthetic:2", &["--min-effect", "1.5"])
+        .output()
+        .unwrap();
+    assert_clean_error(&o, &["--min-effect 1.5"]);
     let o = synthetic_search(&dir.join("u"), "synthetic:x", &[])
         .output()
         .unwrap();
