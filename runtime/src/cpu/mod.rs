@@ -834,29 +834,30 @@ fn huge_page_range(ptr: usize, bytes: usize) -> Option<(usize, usize)> {
 /// docs/benchmarks.md).
 ///
 /// `MADV_HUGEPAGE` covers pages faulted in from now on, but cubecl zeroes the arena when it
-/// allocates it, so its pages are already there; `MADV_COLLAPSE` (Linux 6.1) converts them.
-/// That took 0.1-0.9 s for `peer`'s arena (the kernel may first compact memory). It runs here,
-/// at load, where `bench` counts it: on a background thread it only competed with the first
-/// step for the same two cores (the first step took 0.6-0.9 s longer, no sooner done in
-/// total). Both advices are hints that leave the memory's contents as they are; where the
-/// kernel declines (an older kernel, THP set to `never`, no free 2 MiB blocks) the arena
-/// stays on small pages, which is only slower.
+/// allocates it, so its pages are already there. Converting them in place (`MADV_COLLAPSE`)
+/// copies every page: 4.8 s of `debug`'s 6.6 s load for its 2 GiB arena. The arena holds
+/// nothing of ours yet, only the zeros cubecl wrote, so its whole 2 MiB blocks are instead
+/// handed back (`MADV_DONTNEED`: the heap's private anonymous pages read back as zeros, so the
+/// program sees what it would have) and fault in again as huge pages when first touched. The
+/// blocks lie wholly inside this arena's own range, so no other buffer is touched. Where the kernel
+/// declines (an older kernel, THP set to `never`, no free 2 MiB blocks) the arena stays on small
+/// pages, which is only slower.
 #[cfg(target_os = "linux")]
 fn back_with_huge_pages(ptr: *mut u8, bytes: usize) {
+    const MADV_DONTNEED: i32 = 4;
     const MADV_HUGEPAGE: i32 = 14;
-    const MADV_COLLAPSE: i32 = 25;
     extern "C" {
         fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
     }
     let Some((start, len)) = huge_page_range(ptr as usize, bytes) else {
         return;
     };
-    // SAFETY: [start, start + len) lies inside the arena allocation, which stays mapped while
-    // the executor lives; the advices only change how the kernel backs it, never its contents.
+    // SAFETY: [start, start + len) lies inside this arena's allocation, which stays mapped while
+    // the executor lives and holds only zeros yet (see above): its dropped pages read back as
+    // the same zeros.
     unsafe {
         if madvise(start as *mut _, len, MADV_HUGEPAGE) == 0 {
-            // A failed collapse (older kernel, no free blocks) leaves MADV_HUGEPAGE in force.
-            madvise(start as *mut _, len, MADV_COLLAPSE);
+            madvise(start as *mut _, len, MADV_DONTNEED);
         }
     }
 }
