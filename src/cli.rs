@@ -1159,7 +1159,7 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
         out.incumbent,
         out.kept,
         if out.exhausted {
-            ", every neighbour tried"
+            ", no untried candidate left to draw"
         } else {
             ""
         },
