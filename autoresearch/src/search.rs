@@ -94,6 +94,8 @@ pub struct Outcome {
 struct Progress {
     incumbent: Candidate,
     predicted: Prediction,
+    /// This experiment's candidate's prediction, which becomes `predicted` if it is kept.
+    candidate_predicted: Option<Prediction>,
     /// The incumbent's estimated speed relative to the start.
     speed: f64,
     /// Pipelines tried, with their experiment (`None`: the start).
@@ -157,6 +159,7 @@ impl Search {
         let mut p = Progress {
             incumbent: self.start.clone(),
             predicted: start_predicted.clone(),
+            candidate_predicted: None,
             speed: 1.0,
             tried: vec![(start.clone(), None)],
             seen: vec![start_predicted.fingerprint.clone()],
@@ -274,9 +277,13 @@ impl Search {
             p.record(&self.space, &l)?;
             progress(&l, &self.space.pipeline(&p.incumbent));
             journal.append(l, &pairs)?;
-            if p.incumbent != self.space.parse(&current)? {
-                let now = self.space.pipeline(&p.incumbent);
-                p.predicted = objective.predict(&now)?;
+            let kept = p.candidate_predicted.take();
+            let now = self.space.pipeline(&p.incumbent);
+            if now != current {
+                p.predicted = match kept {
+                    Some(x) => x,
+                    None => objective.predict(&now)?,
+                };
             }
         }
         let aa: Vec<&Line> = journal.lines.iter().filter(|l| l.status == "aa").collect();
@@ -312,6 +319,7 @@ impl Search {
             Err(why) => return untimed(line("invalid", None, 0, "", &pipeline, why)),
             Ok(x) => x,
         };
+        p.candidate_predicted = Some(predicted.clone());
         let (peak, fp) = (predicted.peak_bytes, predicted.fingerprint.as_str());
         if p.seen.iter().any(|s| s == fp) {
             let why = "a graph already measured".to_string();
