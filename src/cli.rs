@@ -518,7 +518,8 @@ pub struct MeshArgs {
     /// parallelism over tp) runs on every rank. The config's batch is
     /// the global batch, split over the data ranks; the metric line gives global tokens/s, the
     /// largest rank's memory, and each rank's time blocked in waits (`wait_ms`). Checkpoints
-    /// hold whole tensors, as a one-device run's. Ranks run on the cpu backend only so far.
+    /// hold whole tensors, as a one-device run's. On wgpu and cuda every rank has its own arena
+    /// on the one device and its collectives go through host memory (no NCCL yet).
     #[arg(long)]
     pub mesh: Option<String>,
     /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
@@ -760,10 +761,11 @@ impl TrainArgs {
             return Err(why);
         }
         let mesh = self.mesh.mesh_run()?;
-        if mesh.is_some() && backend != Backend::Cpu {
-            return Err(format!(
-                "--mesh runs on --backend cpu only so far: the {backend} backend has no collectives yet"
-            ));
+        if mesh.is_some() && backend == Backend::Reference {
+            return Err(
+                "--mesh runs on cpu, wgpu and cuda; the reference interpreter runs meshes in tests only"
+                    .into(),
+            );
         }
         let (data, data_report, tokenizer) = self.data_source(&cfg)?;
         let trainer = Trainer::build_on(

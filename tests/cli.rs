@@ -694,7 +694,7 @@ fn run_on_a_mesh_of_threads_trains_as_one_device_and_refuses_what_cannot_work() 
         ),
         (
             vec!["--mesh", "dp_shard=2", "--backend", "reference"],
-            vec!["--mesh runs on --backend cpu only"],
+            vec!["--mesh runs on cpu, wgpu and cuda"],
         ),
         (
             vec!["--mesh", "dp_shard=2", "--threads-per-rank", "0"],

@@ -4,7 +4,8 @@
 //! `dp_shard=2,tp=2`. Sharded checkpoints resume across launchers and meshes, and only what
 //! their manifest commits counts. A rank stopped with SIGSTOP makes the other stop within the collective
 //! timeout, naming the collective and writing its last collectives; ranks started with
-//! different configs are refused before step 1.
+//! different configs are refused before step 1. On wgpu, MPI ranks match the threads
+//! launcher's wgpu ranks.
 //!
 //! These need OpenMPI's `mpirun` (scripts/setup.sh installs it) and run as root only with
 //! OpenMPI's consent variables, which the tests set.
@@ -143,6 +144,36 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
             );
         }
     }
+}
+
+/// On wgpu each MPI rank stages its collectives through host memory: the same step lines as
+/// the threads launcher's wgpu ranks.
+#[test]
+fn mpi_ranks_on_wgpu_train_as_the_threads_engine_on_wgpu() {
+    if graphtrain::gate::device_backends_for_tests().is_empty() {
+        return; // `backends::the_wgpu_halves_run_here` reports why wgpu is not run
+    }
+    let _job = one_job();
+    let mut args = train_args("3", "dp_shard=2");
+    args.extend(["--backend", "wgpu"]);
+    let threads = output({
+        let mut c = Command::new(BIN);
+        c.args(&args);
+        c
+    });
+    assert!(threads.status.success(), "{}", text(&threads.stderr));
+    let mpi = output({
+        let mut c = mpirun(2);
+        c.arg(BIN).args(&args).args(["--launcher", "mpi"]);
+        c
+    });
+    assert!(mpi.status.success(), "{}", text(&mpi.stderr));
+    let (a, b) = (
+        step_lines(&text(&threads.stdout)),
+        step_lines(&text(&mpi.stdout)),
+    );
+    assert_eq!(a.len(), 3, "{}", text(&threads.stdout));
+    assert_eq!(a, b, "wgpu dp_shard=2: the step lines differ");
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! relative and every parameter within 1e-5 relative norm after 5 AdamW steps; a repeated run
 //! bitwise equal; a mesh of one rank bitwise equal to one device; the default pipeline and full
 //! activation checkpointing bitwise equal to no passes on the ranks; a mesh's checkpoint (whole
-//! tensors) resumes on one device and one device's on a mesh. A rank that fails stops the
+//! tensors) resumes on one device and one device's on a mesh; on wgpu, device ranks (collectives
+//! staged through the host) match wgpu's one device. A rank that fails stops the
 //! others with an error naming it instead of a hang, and a mesh whose size is not the run's is
 //! refused before anything runs.
 
@@ -35,6 +36,10 @@ fn trainer(mesh: Option<&str>) -> Trainer {
 }
 
 fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
+    trainer_on(Backend::Cpu, mesh, pipeline)
+}
+
+fn trainer_on(backend: Backend, mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
     let run = mesh.map(|m| {
         let mesh = Mesh::parse(m).unwrap();
         MeshRun {
@@ -45,11 +50,15 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
             links: Vec::new(),
         }
     });
-    build(run.as_ref(), pipeline)
+    build_on(backend, run.as_ref(), pipeline)
 }
 
 /// `tiny` on fixed data, on one device or as `run` says.
 fn build(run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
+    build_on(Backend::Cpu, run, pipeline)
+}
+
+fn build_on(backend: Backend, run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
     Trainer::build_on(
         &tiny(),
         TrainConfig {
@@ -58,7 +67,7 @@ fn build(run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
             lr: 1e-3,
             optim: OptimConfig::default(),
         },
-        Backend::Cpu,
+        backend,
         &CompileOptions::new(pipeline, Mode::Fused),
         run,
     )
@@ -72,7 +81,15 @@ fn train(mesh: Option<&str>) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
 }
 
 fn train_with(mesh: Option<&str>, pipeline: &Pipeline) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
-    let mut t = trainer_with(mesh, pipeline);
+    train_on(Backend::Cpu, mesh, pipeline)
+}
+
+fn train_on(
+    backend: Backend,
+    mesh: Option<&str>,
+    pipeline: &Pipeline,
+) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
+    let mut t = trainer_on(backend, mesh, pipeline);
     let losses = (0..STEPS)
         .flat_map(|_| {
             let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
@@ -163,6 +180,28 @@ fn meshes_of_threads_match_one_device_and_repeat_bitwise() {
         let tolerance = if mesh.contains("tp") { 3e-5 } else { 1e-5 };
         assert_close(mesh, &got, &single, tolerance);
         assert_bitwise(&format!("{mesh} run again"), &train(Some(mesh)), &got);
+    }
+}
+
+/// On wgpu every rank is a device executor with its own arena on the one device, its
+/// collectives staged through host memory: FSDP and tensor parallelism match wgpu's one-device
+/// step as closely as the cpu ranks match cpu's, and repeat bitwise.
+#[test]
+fn meshes_of_device_ranks_match_one_device_on_wgpu() {
+    if graphtrain::gate::device_backends_for_tests().is_empty() {
+        return; // `backends::the_wgpu_halves_run_here` reports why wgpu is not run
+    }
+    let none = Pipeline::new(Vec::new());
+    let single = train_on(Backend::Wgpu, None, &none);
+    for mesh in ["dp_shard=2", "dp_shard=2,tp=2"] {
+        let got = train_on(Backend::Wgpu, Some(mesh), &none);
+        let tolerance = if mesh.contains("tp") { 3e-5 } else { 1e-5 };
+        assert_close(&format!("wgpu {mesh}"), &got, &single, tolerance);
+        assert_bitwise(
+            &format!("wgpu {mesh} run again"),
+            &train_on(Backend::Wgpu, Some(mesh), &none),
+            &got,
+        );
     }
 }
 

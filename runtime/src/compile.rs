@@ -188,18 +188,6 @@ impl Compiled {
                 comm.world_size()
             )));
         }
-        let collectives = self.program.as_ref().is_some_and(|p| {
-            p.steps
-                .iter()
-                .any(|s| matches!(s, graphtrain_lowering::Step::CollectiveStart { .. }))
-        });
-        if collectives && matches!(self.backend, Backend::Wgpu | Backend::Cuda) {
-            return Err(RuntimeError::Unavailable(format!(
-                "the {} backend has no collectives yet: SPMD graphs run on cpu (and on the \
-reference interpreter's ranks)",
-                self.backend
-            )));
-        }
         let runtime = self.runtime;
         let _span = tracing::info_span!("load", backend = ?self.backend).entered();
         Ok(match (self.backend, self.program) {

@@ -16,12 +16,16 @@
 //! `graph()` is the rank-local graph (local types, placements on inputs and outputs); the
 //! global type of an input or output follows from its placement (`global_type`).
 //!
-//! Declines, before any thread starts: a graph without a mesh, a backend other than `cpu` (the
-//! device backends have no collectives yet), `threads_per_rank` of 0.
+//! On `wgpu` and `cuda` each rank's executor is a `DeviceExecutor` on the one device, its own
+//! arena there, its collectives staged through host memory (`device`'s module docs).
+//!
+//! Declines, before any thread starts: a graph without a mesh, the reference backend (its
+//! ranks are `ReferenceExecutor`s, loaded one per communicator), `threads_per_rank` of 0.
 
 use crate::comm::{Communicator, ThreadComm, ThreadWorld};
 use crate::cpu::pool::Pool;
 use crate::cpu::CpuExecutor;
+use crate::device::{DeviceExecutor, DeviceKind};
 use crate::timeline::Timeline;
 use crate::{Backend, Compiled, Executor, RuntimeError};
 use graphtrain_ir::mesh::{assemble, local_part};
@@ -103,12 +107,18 @@ impl Compiled {
                 "ranks as threads need an SPMD graph (one with a mesh); this one has none".into(),
             )
         })?;
-        if self.backend != Backend::Cpu {
-            return Err(RuntimeError::Unavailable(format!(
-                "ranks run on the cpu backend only so far: the {} backend has no collectives yet",
-                self.backend
-            )));
-        }
+        let device = match self.backend {
+            Backend::Cpu => None,
+            Backend::Wgpu => Some(DeviceKind::Wgpu),
+            Backend::Cuda => Some(DeviceKind::Cuda),
+            Backend::Reference => {
+                return Err(RuntimeError::Unavailable(
+                    "ranks as threads run a lowered Program (cpu, wgpu, cuda); the reference \
+interpreter's ranks are loaded one per communicator"
+                        .into(),
+                ))
+            }
+        };
         if threads_per_rank == 0 {
             return Err(RuntimeError::Input(
                 "threads per rank must be at least 1".into(),
@@ -133,7 +143,7 @@ impl Compiled {
                 .name(format!("graphtrain-rank-{rank}"))
                 .spawn(move || {
                     Pool::for_rank(rank, threads_per_rank).use_on_this_thread();
-                    rank_main(program, runtime, comm, job_rx, reply_tx, load_tx)
+                    rank_main(program, device, runtime, comm, job_rx, reply_tx, load_tx)
                 })
                 .map_err(|e| RuntimeError::Backend(format!("cannot start rank {rank}: {e}")))?;
             ranks.push(Rank {
@@ -166,13 +176,20 @@ impl Compiled {
 /// A rank's thread: loads its executor, then runs the jobs it is sent until the channel closes.
 fn rank_main(
     program: Program,
+    device: Option<DeviceKind>,
     runtime: crate::RuntimeOptions,
     comm: ThreadComm,
     jobs: Receiver<Job>,
     replies: Sender<Box<dyn std::any::Any + Send>>,
     loaded: Sender<Result<usize, RuntimeError>>,
 ) {
-    let mut exec = match CpuExecutor::new(program, runtime, Box::new(comm)) {
+    let exec: Result<Box<dyn Executor>, RuntimeError> = match device {
+        None => CpuExecutor::new(program, runtime, Box::new(comm))
+            .map(|e| Box::new(e) as Box<dyn Executor>),
+        Some(kind) => DeviceExecutor::new(program, kind, runtime, Box::new(comm))
+            .map(|e| Box::new(e) as Box<dyn Executor>),
+    };
+    let mut exec = match exec {
         Ok(exec) => exec,
         Err(e) => {
             let _ = loaded.send(Err(e));
@@ -181,7 +198,7 @@ fn rank_main(
     };
     let _ = loaded.send(Ok(exec.memory_bytes()));
     for job in jobs {
-        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut exec)))
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(exec.as_mut())))
             .unwrap_or_else(|panic| {
                 let why = panic
                     .downcast_ref::<String>()

@@ -7,6 +7,10 @@
 //!   preceded by an index check whose flag is read back before the step runs, so a bad index is
 //!   an error naming the step and position, never a silent wrong value;
 //! - iota and random values are computed on the host and written into the arena;
+//! - a collective (on a mesh) is staged through host memory: its start reads the operand back,
+//!   hands it to the rank's communicator (threads or MPI, as on `cpu`), and its wait writes the
+//!   result into the arena. Correct on every device, and as slow as two copies over the bus;
+//!   device-to-device transports (NCCL) are not built;
 //! - the composites the lowering keeps as one step (attention and its backward, rope,
 //!   cross-entropy and its backward, AdamW) launch `composites.rs`. Their rope angle
 //!   tables (written once at load) and the per-row statistics of their reductions (scratch that
@@ -138,6 +142,18 @@ pub struct DeviceExecutor {
     /// without waiting for the device.
     host_scalars: HashMap<ValueId, f32>,
     comm: Box<dyn Communicator>,
+    /// Collectives in flight, by handle id: the operand and result in host memory, where the
+    /// communicator reads and writes them (`Staged`).
+    staged: HashMap<usize, Staged>,
+}
+
+/// A collective's operand and result copied out of the device arena: the communicators move
+/// host memory (shared memory between threads, MPI between processes), so a device rank stages
+/// its collectives through the host. Both vectors stay put (and unread by anything else) from
+/// the start until the wait.
+struct Staged {
+    src: Vec<f32>,
+    dst: Vec<f32>,
 }
 
 impl DeviceExecutor {
@@ -179,6 +195,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             runs: 0,
             host_scalars: HashMap::new(),
             comm,
+            staged: HashMap::new(),
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -476,6 +493,42 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                     .map(|i| random_value(seed, *stream, *normal, i))
                     .collect();
                 self.write_floats(self.off(*out), &values);
+            }
+            Step::CollectiveStart {
+                collective,
+                mesh_dims,
+                src,
+                handle,
+            } => {
+                // Reading the operand waits for the launches that produce it.
+                let src_elems = g.ty(*src).numel();
+                let mut staged = Staged {
+                    src: self.read_floats(self.off(*src), src_elems)?,
+                    dst: vec![0.0; g.ty(*handle).numel()],
+                };
+                let call = crate::comm::CollectiveCall::new(
+                    g,
+                    self.comm.rank(),
+                    *collective,
+                    mesh_dims,
+                    (*src, staged.src.as_ptr()),
+                    (*handle, staged.dst.as_mut_ptr()),
+                )?;
+                // SAFETY: both vectors are kept in `self.staged` until the wait, which drops
+                // them only after `comm.wait` returned; nothing else reads or writes them.
+                unsafe { self.comm.start(call)? };
+                self.staged.insert(handle.index(), staged);
+            }
+            Step::Wait { handle, .. } => {
+                self.comm.wait(handle.index())?;
+                let staged = self.staged.remove(&handle.index()).ok_or_else(|| {
+                    RuntimeError::Backend(format!(
+                        "step {i} (wait): no collective was started on value {}",
+                        handle.index()
+                    ))
+                })?;
+                // The wait's result shares its handle's bytes (the buffer plan's rule).
+                self.write_floats(self.off(*handle), &staged.dst);
             }
             Step::Attention { .. }
             | Step::AttentionBackward { .. }
