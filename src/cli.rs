@@ -97,6 +97,10 @@ pub enum Command {
     /// --passes; logs to --log DIR (results.tsv, samples.jsonl), from which it resumes; writes
     /// the best pipeline to DIR/best.ron (`run --pipeline DIR/best.ron`).
     Search(SearchArgs),
+    /// The worker `search` supervises: answers its questions (JSON lines on stdin and stdout)
+    /// about candidates compiled and timed in this process.
+    #[command(hide = true)]
+    SearchWorker(SearchArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
         /// Graph file: `.ron` is read as RON, anything else as the text format.
@@ -1018,6 +1022,11 @@ pub struct SearchArgs {
     /// Steps the numerics gate trains each candidate against the unoptimized step.
     #[arg(long, default_value_t = 3)]
     pub numerics_steps: u64,
+    /// Seconds the worker process that compiles and times candidates may take over one
+    /// question (a prediction, the numerics gate, or one look's pairs) before it is killed and
+    /// the experiment logged `crash`.
+    #[arg(long, default_value_t = 600.0)]
+    pub worker_timeout: f64,
 }
 
 /// `TrainArgs`' trainer for `pipeline` (for `graphtrain search`).
@@ -1067,18 +1076,19 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
                 .map_err(|e| format!("--memory-cap `{c}`: {e}"))
         })
         .transpose()?;
-    let cfg = model_config(&a.train.model)?;
-    let optim = a.train.optim.config()?;
+    if !(a.worker_timeout > 0.0 && a.worker_timeout.is_finite()) {
+        return Err("--worker-timeout must be a number of seconds above 0".into());
+    }
+    // Checked here, where a mistake is one error, not a crash logged per experiment.
+    model_config(&a.train.model)?;
+    a.train.optim.config()?;
     let mut objective: Box<dyn graphtrain_autoresearch::search::Objective + '_> =
         match a.objective.as_str() {
-            "measured" => Box::new(crate::search::Measured::new(
-                &a.train,
-                registry,
-                cfg,
-                &optim,
-                a.numerics_steps,
-                2,
-            )?),
+            "measured" => Box::new(crate::search::Supervised::new(
+                worker_args()?,
+                std::time::Duration::from_secs_f64(a.worker_timeout),
+                a.log.join("worker.log"),
+            )),
             other => Box::new(synthetic_objective(other, &space)?),
         };
     let mut journal = Journal::open(&a.log)?;
@@ -1198,6 +1208,27 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
     Ok(())
 }
 
+/// This process's arguments with `search` as `search-worker`: the worker sees every flag the
+/// search was given.
+fn worker_args() -> Result<Vec<OsString>, String> {
+    let mut args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let at = args.iter().position(|a| a == "search").ok_or_else(|| {
+        "search's worker takes this process's `search` arguments, and there is no `search` among them"
+            .to_string()
+    })?;
+    args[at] = "search-worker".into();
+    Ok(args)
+}
+
+/// `graphtrain search-worker`: what `search` supervises.
+fn search_worker(a: SearchArgs, registry: &Registry) -> Result<(), String> {
+    let cfg = model_config(&a.train.model)?;
+    let optim = a.train.optim.config()?;
+    let mut measured =
+        crate::search::Measured::new(&a.train, registry, cfg, &optim, a.numerics_steps, 2)?;
+    crate::search::serve(&mut measured)
+}
+
 /// `synthetic:SEED[:DELAY_MS]`: the seeded synthetic objective over `space`.
 fn synthetic_objective(
     spec: &str,
@@ -1314,6 +1345,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Run(a) => run(a, registry),
         Command::Bench(a) => bench(a, registry),
         Command::Search(a) => search(a, registry),
+        Command::SearchWorker(a) => search_worker(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),

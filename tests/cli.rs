@@ -961,6 +961,78 @@ fn search_logs_resumes_and_refuses_bad_input() {
     );
 }
 
+/// A candidate that kills the worker compiling and timing it (an abort), or leaves it without
+/// an answer (a hang, past `--worker-timeout`), is logged `crash` with what happened; a fresh
+/// worker takes the next experiment, and the search ends normally.
+#[test]
+fn a_candidate_that_crashes_or_hangs_its_worker_is_logged_and_the_search_goes_on() {
+    let dir = scratch_dir("search-crash");
+    let log = dir.join("s");
+    let _ = std::fs::remove_dir_all(&log);
+    let counter = dir.join("asked");
+    let _ = std::fs::remove_file(&counter);
+    // Proposes `cse`, then `canonicalize`, then `dce`.
+    let proposer = format!(
+        "n=$(cat {c} 2>/dev/null || echo 0); echo $((n+1)) > {c}; \
+         case $n in 0) echo cse;; 1) echo canonicalize;; *) echo dce;; esac",
+        c = counter.display()
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args([
+            "search",
+            "--config",
+            "tiny",
+            "--passes",
+            "none",
+            "--log",
+            log.to_str().unwrap(),
+            "--experiments",
+            "3",
+            "--aa-every",
+            "0",
+            "--proposer",
+            &proposer,
+            "--worker-timeout",
+            "20",
+        ])
+        .env(
+            "GRAPHTRAIN_SEARCH_WORKER_FAULT",
+            "abort:cse,hang:canonicalize",
+        )
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let results = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    let lines: Vec<Vec<&str>> = results
+        .lines()
+        .skip(1)
+        .map(|l| l.split('\t').collect())
+        .collect();
+    assert_eq!(lines.len(), 3, "{results}");
+    let (status, pipeline, why) = (2, 9, 10);
+    assert_eq!(
+        (lines[0][status], lines[0][pipeline]),
+        ("crash", "cse"),
+        "{results}"
+    );
+    assert!(
+        lines[0][why].contains("the worker died (signal 6)"),
+        "{results}"
+    );
+    assert_eq!(
+        (lines[1][status], lines[1][pipeline]),
+        ("crash", "canonicalize"),
+        "{results}"
+    );
+    assert!(lines[1][why].contains("no answer in 20 s"), "{results}");
+    assert_eq!(lines[2][pipeline], "dce", "{results}");
+    assert!(
+        ["keep", "discard", "duplicate"].contains(&lines[2][status]),
+        "a fresh worker measured the third: {results}"
+    );
+    assert!(stdout(&o).contains("best pipeline: "), "{}", stdout(&o));
+}
+
 /// `graphtrain search` on the seeded synthetic objective, logging into `log`.
 fn synthetic_search(log: &std::path::Path, objective: &str, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_graphtrain"));

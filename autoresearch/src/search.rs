@@ -30,6 +30,30 @@ pub struct Prediction {
     pub nodes: usize,
 }
 
+/// Why an objective could not answer about a pipeline.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Failure {
+    /// The pipeline is at fault: it cannot be built (logged `invalid`) or it changes the
+    /// numerics (`numerics`).
+    Refused(String),
+    /// What ran it died or stopped answering (logged `crash`); the search goes on.
+    Crashed(String),
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Failure {
+        Failure::Refused(why)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Refused(why) | Failure::Crashed(why) => f.write_str(why),
+        }
+    }
+}
+
 /// What the search measures: graphtrain's CLI times steps on this machine; a simulator can
 /// predict them instead.
 pub trait Objective {
@@ -37,16 +61,16 @@ pub trait Objective {
     /// draws what an uninterrupted one did).
     fn begin(&mut self, _experiment: usize) {}
     /// The static facts of the graph `pipeline` gives, or why the pipeline cannot be built.
-    fn predict(&mut self, pipeline: &str) -> Result<Prediction, String>;
+    fn predict(&mut self, pipeline: &str) -> Result<Prediction, Failure>;
     /// `Ok` when `pipeline` trains as the unoptimized step does (bitwise for tier 1), else why.
-    fn numerics(&mut self, pipeline: &str) -> Result<(), String>;
+    fn numerics(&mut self, pipeline: &str) -> Result<(), Failure>;
     /// `k` interleaved pairs of (incumbent step time, candidate step time), in seconds.
     fn pairs(
         &mut self,
         incumbent: &str,
         candidate: &str,
         k: usize,
-    ) -> Result<Vec<(f64, f64)>, String>;
+    ) -> Result<Vec<(f64, f64)>, Failure>;
 }
 
 pub struct Search {
@@ -207,21 +231,24 @@ impl Search {
                 description: why,
             };
             if self.aa_every > 0 && k % self.aa_every == self.aa_every - 1 {
-                let (v, pairs) = self
+                let measured = self
                     .rule
-                    .decide(rng.next_u64(), |n| objective.pairs(&current, &current, n))?;
-                let said = match v.decision {
-                    Decision::Keep => "the rule would have kept it (a false keep)",
-                    _ => "the rule would not have kept it",
+                    .decide(rng.next_u64(), |n| objective.pairs(&current, &current, n));
+                let peak = p.predicted.peak_bytes;
+                let (l, pairs) = match measured {
+                    Ok((v, pairs)) => {
+                        let said = match v.decision {
+                            Decision::Keep => "the rule would have kept it (a false keep)",
+                            _ => "the rule would not have kept it",
+                        };
+                        let why = format!("incumbent against itself: {said}");
+                        (line("aa", Some(&v), peak, "", &current, why), pairs)
+                    }
+                    Err(f) => {
+                        let why = format!("incumbent against itself: {f}");
+                        (line("crash", None, peak, "", &current, why), Vec::new())
+                    }
                 };
-                let l = line(
-                    "aa",
-                    Some(&v),
-                    p.predicted.peak_bytes,
-                    "",
-                    &current,
-                    format!("incumbent against itself: {said}"),
-                );
                 progress(&l, &current);
                 journal.append(l, &pairs)?;
                 continue;
@@ -282,7 +309,7 @@ impl Search {
             if now != current {
                 p.predicted = match kept {
                     Some(x) => x,
-                    None => objective.predict(&now)?,
+                    None => objective.predict(&now).map_err(|e| e.to_string())?,
                 };
             }
         }
@@ -316,7 +343,12 @@ impl Search {
         let pipeline = self.space.pipeline(candidate);
         let untimed = |l: Line| Ok((l, Vec::new()));
         let predicted = match objective.predict(&pipeline) {
-            Err(why) => return untimed(line("invalid", None, 0, "", &pipeline, why)),
+            Err(Failure::Refused(why)) => {
+                return untimed(line("invalid", None, 0, "", &pipeline, why))
+            }
+            Err(Failure::Crashed(why)) => {
+                return untimed(line("crash", None, 0, "", &pipeline, why))
+            }
             Ok(x) => x,
         };
         p.candidate_predicted = Some(predicted.clone());
@@ -342,8 +374,14 @@ impl Search {
             );
             return untimed(line("filtered", None, peak, fp, &pipeline, why));
         }
-        if let Err(why) = objective.numerics(&pipeline) {
-            return untimed(line("numerics", None, peak, fp, &pipeline, why));
+        match objective.numerics(&pipeline) {
+            Ok(()) => {}
+            Err(Failure::Refused(why)) => {
+                return untimed(line("numerics", None, peak, fp, &pipeline, why))
+            }
+            Err(Failure::Crashed(why)) => {
+                return untimed(line("crash", None, peak, fp, &pipeline, why))
+            }
         }
         if !incumbent_fits {
             let why = format!(
@@ -356,16 +394,23 @@ impl Search {
             .rule
             .decide(rng.next_u64(), |n| objective.pairs(current, &pipeline, n));
         let (v, mut pairs) = match measured {
-            Err(why) => return untimed(line("crash", None, peak, fp, &pipeline, why)),
+            Err(f) => return untimed(line("crash", None, peak, fp, &pipeline, f.to_string())),
             Ok(x) => x,
         };
         if v.decision != Decision::Keep {
             let why = format!("against `{current}`");
             return Ok((line("discard", Some(&v), peak, fp, &pipeline, why), pairs));
         }
-        let (confirm, more) = self
+        let confirmed = self
             .rule
-            .decide(rng.next_u64(), |n| objective.pairs(current, &pipeline, n))?;
+            .decide(rng.next_u64(), |n| objective.pairs(current, &pipeline, n));
+        let (confirm, more) = match confirmed {
+            Ok(x) => x,
+            Err(f) => {
+                let why = format!("kept at first, then while confirming: {f}");
+                return Ok((line("crash", Some(&v), peak, fp, &pipeline, why), pairs));
+            }
+        };
         pairs.extend(more);
         let first = format!("{:.3} [{:.3}, {:.3}]", v.ratio, v.lo, v.hi);
         let l = if confirm.decision == Decision::Keep {

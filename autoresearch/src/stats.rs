@@ -116,11 +116,11 @@ impl KeepRule {
     }
 
     /// Runs the looks: `more(k)` returns `k` more pairs; stops at the first decision.
-    pub fn decide(
+    pub fn decide<E>(
         &self,
         seed: u64,
-        mut more: impl FnMut(usize) -> Result<Vec<(f64, f64)>, String>,
-    ) -> Result<(Verdict, Vec<(f64, f64)>), String> {
+        mut more: impl FnMut(usize) -> Result<Vec<(f64, f64)>, E>,
+    ) -> Result<(Verdict, Vec<(f64, f64)>), E> {
         let mut pairs = Vec::new();
         for &look in &self.looks {
             let need = look.saturating_sub(pairs.len());
@@ -196,7 +196,9 @@ mod tests {
         let kept = (0..trials)
             .filter(|&seed| {
                 let mut timer = SyntheticTimer::new(seed, effect, noise);
-                let (v, _) = rule.decide(seed, |k| Ok(timer.pairs(k))).unwrap();
+                let (v, _) = rule
+                    .decide(seed, |k| Ok::<_, String>(timer.pairs(k)))
+                    .unwrap();
                 v.decision == Decision::Keep
             })
             .count();
@@ -219,13 +221,13 @@ mod tests {
     fn a_slower_candidate_stops_at_the_first_look_and_a_tiny_gain_is_not_kept() {
         let rule = KeepRule::default();
         let mut timer = SyntheticTimer::new(7, -0.3, 0.05);
-        let (v, pairs) = rule.decide(7, |k| Ok(timer.pairs(k))).unwrap();
+        let (v, pairs) = rule.decide(7, |k| Ok::<_, String>(timer.pairs(k))).unwrap();
         assert_eq!((v.decision, pairs.len()), (Decision::Reject, 16), "{v:?}");
         // A real 1% gain measured very precisely is below the minimum effect.
         let mut timer = SyntheticTimer::new(8, 0.01, 0.001);
         timer.drift = 0.0;
         timer.outliers = 0.0;
-        let (v, _) = rule.decide(8, |k| Ok(timer.pairs(k))).unwrap();
+        let (v, _) = rule.decide(8, |k| Ok::<_, String>(timer.pairs(k))).unwrap();
         assert!(v.lo > 1.0 && v.decision == Decision::Reject, "{v:?}");
     }
 

@@ -6,7 +6,7 @@
 //! resumed search draws what an uninterrupted one did.
 
 use crate::rng::Rng;
-use crate::search::{Objective, Prediction};
+use crate::search::{Failure, Objective, Prediction};
 use crate::space::{Candidate, Space};
 use crate::stats::SyntheticTimer;
 use std::time::Duration;
@@ -208,7 +208,7 @@ impl Objective for Synthetic {
         self.timer = SyntheticTimer::new(stream, 0.0, self.noise);
     }
 
-    fn predict(&mut self, pipeline: &str) -> Result<Prediction, String> {
+    fn predict(&mut self, pipeline: &str) -> Result<Prediction, Failure> {
         let c = self.parse(pipeline)?;
         let work = self.product(&c, &self.work);
         Ok(Prediction {
@@ -219,18 +219,18 @@ impl Objective for Synthetic {
         })
     }
 
-    fn numerics(&mut self, pipeline: &str) -> Result<(), String> {
+    fn numerics(&mut self, pipeline: &str) -> Result<(), Failure> {
         let c = self.parse(pipeline)?;
         match self.broken.iter().find(|&&(k, i)| c.0[k] == i) {
-            Some(&(k, i)) => Err(format!(
+            Some(&(k, i)) => Err(Failure::Refused(format!(
                 "`{}={}` changed the loss at step 1 (synthetic)",
                 self.space.knobs[k].pass, self.space.knobs[k].choices[i]
-            )),
+            ))),
             None => Ok(()),
         }
     }
 
-    fn pairs(&mut self, a: &str, b: &str, k: usize) -> Result<Vec<(f64, f64)>, String> {
+    fn pairs(&mut self, a: &str, b: &str, k: usize) -> Result<Vec<(f64, f64)>, Failure> {
         let (ta, tb) = (
             self.true_time(&self.parse(a)?),
             self.true_time(&self.parse(b)?),
