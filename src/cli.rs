@@ -12,6 +12,7 @@ use crate::metrics::MetricsWriter;
 use crate::replay::{self, BatchDump};
 use crate::step_report::{StepReport, TraceTarget};
 use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
+use crate::tuning::Tuning;
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
@@ -497,6 +498,13 @@ pub struct TrainArgs {
     pub peak_gflops: Option<f64>,
     #[command(flatten)]
     pub mesh: MeshArgs,
+    /// Lowering and runtime settings that change speed, not the graph, as `name=value`
+    /// comma-separated: `fusion.max_map_inputs`, `fusion.max_expr_nodes`,
+    /// `fusion.converge_hops` (the lowering's fusion limits), `gemm` (`widest`, `avx2` or
+    /// `scalar`: the cpu GEMM kernel), `threads_per_rank` (on a mesh of threads). `search`
+    /// varies them and prints what it found in this form.
+    #[arg(long, default_value = "")]
+    pub tuning: String,
 }
 
 /// How ranks are started.
@@ -554,7 +562,15 @@ pub struct MeshArgs {
 impl MeshArgs {
     /// The mesh run the flags ask for, if any.
     fn mesh_run(&self) -> Result<Option<crate::trainer::MeshRun>, String> {
+        self.mesh_run_tuned(&Tuning::default())
+    }
+
+    /// `mesh_run`, its threads per rank from `tuning` where it sets them.
+    fn mesh_run_tuned(&self, tuning: &Tuning) -> Result<Option<crate::trainer::MeshRun>, String> {
         let Some(text) = &self.mesh else {
+            if tuning.threads_per_rank.is_some() {
+                return Err("--tuning threads_per_rank: needs --mesh".into());
+            }
             return Ok(None);
         };
         let mesh = parse_mesh(text)?;
@@ -569,7 +585,7 @@ impl MeshArgs {
             }
             Some(Launcher::Threads) | None => crate::trainer::Launch::Threads,
         };
-        let threads_per_rank = match (self.threads_per_rank, launch) {
+        let threads_per_rank = match (tuning.threads_per_rank.or(self.threads_per_rank), launch) {
             (Some(_), crate::trainer::Launch::FakeRankZero) => {
                 return Err(
                     "--threads-per-rank: with --launcher fake rank 0 runs alone on every core"
@@ -683,6 +699,11 @@ impl TrainArgs {
         self.setup_with(self.passes.pipeline(registry, tp_link.as_deref())?)
     }
 
+    /// `--tuning`, then `more` (later entries win).
+    pub(crate) fn tuning_with(&self, more: &str) -> Result<Tuning, String> {
+        Tuning::parse(&format!("{},{more}", self.tuning)).map_err(|e| format!("--tuning {e}"))
+    }
+
     /// The batches' source; for text, also a line saying what was read, cached and split.
     fn data_source(
         &self,
@@ -755,6 +776,11 @@ impl TrainArgs {
 
     /// `setup` with another pipeline than the flags give.
     fn setup_with(&self, pipeline: Pipeline) -> Result<Setup, String> {
+        self.setup_tuned(pipeline, &self.tuning_with("")?)
+    }
+
+    /// `setup_with` under `tuning` instead of `--tuning`.
+    fn setup_tuned(&self, pipeline: Pipeline, tuning: &Tuning) -> Result<Setup, String> {
         let cfg = model_config(&self.model)?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return Err(format!("--lr must be a positive number, got {}", self.lr));
@@ -764,7 +790,7 @@ impl TrainArgs {
         if let Some(why) = backend.unavailable() {
             return Err(why);
         }
-        let mesh = self.mesh.mesh_run()?;
+        let mesh = self.mesh.mesh_run_tuned(tuning)?;
         if mesh.is_some() && backend == Backend::Reference {
             return Err(
                 "--mesh runs on cpu, wgpu and cuda; the reference interpreter runs meshes in tests only"
@@ -772,6 +798,7 @@ impl TrainArgs {
             );
         }
         let (data, data_report, tokenizer) = self.data_source(&cfg)?;
+        let from_env = runtime_options_from_env()?;
         let trainer = Trainer::build_on(
             &cfg,
             TrainConfig {
@@ -784,8 +811,11 @@ impl TrainArgs {
             &CompileOptions {
                 pipeline: &pipeline,
                 mode: self.lowering.mode(),
-                fusion: Default::default(),
-                runtime: runtime_options_from_env()?,
+                fusion: tuning.fusion,
+                runtime: RuntimeOptions {
+                    gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
+                    ..from_env
+                },
             },
             mesh.as_ref(),
         )
@@ -971,7 +1001,9 @@ pub struct BenchArgs {
 #[derive(clap::Args, Debug)]
 pub struct SearchArgs {
     /// The model, data and training flags; --passes is where the search starts (its passes in
-    /// the search space's order: canonicalize, cse, egraph, dce, ac, offload, capture).
+    /// the search space's order: canonicalize, cse, egraph, dce, ac, offload, capture; with
+    /// --mesh, keep_gathered, bucket, prefetch and async_tp before capture). On a mesh the
+    /// SPMD step is searched, its ranks threads of one process.
     #[command(flatten)]
     pub train: TrainArgs,
     /// The search's directory: its log, its lock and the best pipeline. A directory with a log
@@ -1030,20 +1062,34 @@ pub struct SearchArgs {
 }
 
 /// `TrainArgs`' trainer for `pipeline` (for `graphtrain search`).
-pub(crate) fn trainer_for(args: &TrainArgs, pipeline: Pipeline) -> Result<Trainer, String> {
-    Ok(args.setup_with(pipeline)?.trainer)
+pub(crate) fn trainer_for(
+    args: &TrainArgs,
+    pipeline: Pipeline,
+    tuning: &Tuning,
+) -> Result<Trainer, String> {
+    Ok(args.setup_tuned(pipeline, tuning)?.trainer)
 }
 
 fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
     use graphtrain_autoresearch::{journal::Journal, propose, search::Search, space::Space};
-    if a.train.mesh.mesh.is_some() {
-        return Err("search on a mesh is not built yet: it searches one device's pipeline".into());
-    }
     if a.train.backend != "cpu" {
         return Err("search measures the cpu backend only so far".into());
     }
-    let space = Space::builtin(false);
-    space.check(|p| registry.info(p).is_some())?;
+    let on_mesh = a.train.mesh.mesh.is_some();
+    if on_mesh && !matches!(a.train.mesh.launcher, None | Some(Launcher::Threads)) {
+        return Err(
+            "search on a mesh runs its ranks as threads of one process (--launcher threads)".into(),
+        );
+    }
+    // The mesh's flags are checked here, where a mistake is one error.
+    a.train.mesh.mesh_run()?;
+    a.train.tuning_with("")?;
+    // Settings are measured on this machine; the synthetic objective models passes only.
+    let space = match a.objective.as_str() {
+        "measured" => Space::builtin_with_settings(on_mesh),
+        _ => Space::builtin(on_mesh),
+    };
+    space.check(|p| registry.info(p).is_some() || crate::tuning::SETTINGS.contains(&p))?;
     let start_list = PipelineSpec::parse_list(&a.train.passes.passes)?
         .passes
         .iter()
@@ -1161,7 +1207,8 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
             a.log.display()
         ));
     }
-    let spec = PipelineSpec::parse_list(&out.incumbent)?;
+    let (passes, settings) = crate::tuning::split(&out.incumbent);
+    let spec = PipelineSpec::parse_list(&passes)?;
     let best = a.log.join("best.ron");
     let body = ron::ser::to_string_pretty(&spec, ron::ser::PrettyConfig::default())
         .map_err(|e| format!("cannot write the pipeline: {e}"))?;
@@ -1186,10 +1233,21 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
             say!("  {}: {}", p.name, info.contract);
         }
     }
+    if !settings.is_empty() {
+        let tuning = match a.train.tuning.as_str() {
+            "" => settings.clone(),
+            base => format!("{base},{settings}"),
+        };
+        say!(
+            "  settings: train with `--pipeline {} --tuning {tuning}` (best.ron holds the passes)",
+            best.display()
+        );
+    }
     if let (Some(cap), "measured") = (memory_cap, a.objective.as_str()) {
         // The cap was checked on the plan; the backend's arena after a step is the measurement.
         drop(objective);
-        let mut trainer = trainer_for(&a.train, spec.build(registry)?)?;
+        let tuning = a.train.tuning_with(&settings)?;
+        let mut trainer = trainer_for(&a.train, spec.build(registry)?, &tuning)?;
         let m = trainer.step().map_err(|e| e.to_string())?;
         say!(
             "measured: the best pipeline's step held {} on the cpu backend, {} the cap of {}",
@@ -1224,8 +1282,9 @@ fn worker_args() -> Result<Vec<OsString>, String> {
 fn search_worker(a: SearchArgs, registry: &Registry) -> Result<(), String> {
     let cfg = model_config(&a.train.model)?;
     let optim = a.train.optim.config()?;
+    let mesh = a.train.mesh.mesh_run()?;
     let mut measured =
-        crate::search::Measured::new(&a.train, registry, cfg, &optim, a.numerics_steps, 2)?;
+        crate::search::Measured::new(&a.train, registry, cfg, mesh, &optim, a.numerics_steps, 2)?;
     crate::search::serve(&mut measured)
 }
 

@@ -9,7 +9,8 @@
 //! steps are compiled by the one driver (`graphtrain_runtime::compile`, through the trainer).
 
 use crate::data::DataSource;
-use crate::trainer::{TrainConfig, Trainer};
+use crate::trainer::{MeshRun, TrainConfig, Trainer};
+use crate::tuning::Tuning;
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::HostTensor;
 use graphtrain_ir::InputKind;
@@ -55,6 +56,19 @@ pub fn check_pipeline_on(
     steps: u64,
     backend: Backend,
 ) -> Result<(), String> {
+    check_pipeline_tuned(model, pipeline, steps, backend, None, &Tuning::default())
+}
+
+/// As `check_pipeline_on`, both steps on `mesh` (the SPMD step on every rank) when given, the
+/// optimized one lowered and run under `tuning`.
+pub fn check_pipeline_tuned(
+    model: &Llama3Config,
+    pipeline: &Pipeline,
+    steps: u64,
+    backend: Backend,
+    mesh: Option<&MeshRun>,
+    tuning: &Tuning,
+) -> Result<(), String> {
     let cfg = TrainConfig {
         data: DataSource::Random,
         seed: 0,
@@ -63,20 +77,21 @@ pub fn check_pipeline_on(
     };
     let tier = pipeline.tier();
     let no_passes = Pipeline::new(Vec::new());
-    let mut base = Trainer::build(
+    let mut base = Trainer::build_on(
         model,
         cfg.clone(),
         backend,
         &CompileOptions::new(&no_passes, Mode::Eager),
+        mesh,
     )
     .map_err(|e| e.to_string())?;
-    let mut opt = Trainer::build(
-        model,
-        cfg,
-        backend,
-        &CompileOptions::new(pipeline, Mode::Fused),
-    )
-    .map_err(|e| e.to_string())?;
+    let mut optimized = CompileOptions::new(pipeline, Mode::Fused);
+    optimized.fusion = tuning.fusion;
+    if let Some(kernel) = tuning.gemm {
+        optimized.runtime.gemm_kernel = kernel;
+    }
+    let mut opt =
+        Trainer::build_on(model, cfg, backend, &optimized, mesh).map_err(|e| e.to_string())?;
     for _ in 0..steps {
         let a = base.step().map_err(|e| format!("unoptimized: {e}"))?;
         let b = opt.step().map_err(|e| format!("optimized: {e}"))?;

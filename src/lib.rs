@@ -20,6 +20,7 @@ pub mod sharded;
 pub mod step_report;
 pub mod timeline;
 pub mod trainer;
+pub mod tuning;
 
 pub use graphtrain_ir as ir;
 pub use graphtrain_models as models;

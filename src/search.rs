@@ -13,27 +13,33 @@
 //! `--worker-timeout` is logged `crash`, the worker is killed and started afresh, and the search
 //! goes on. Candidate and incumbent are still compiled and timed in one process (the worker).
 //!
-//! Not yet: meshes, and lowering or runtime knobs (kernel block sizes, threads) in the search
-//! space.
+//! A candidate is a pass list and settings (`crate::tuning`): fusion limits, the GEMM kernel and
+//! on a mesh the threads per rank; on a mesh the SPMD step is searched, its ranks threads.
+//!
+//! Not yet: the GEMM's block sizes as settings (they are constants of its kernels).
 
 use crate::bench;
 use crate::cli::ARENA_ALIGNMENT;
 use crate::cli::{trainer_for, TrainArgs};
-use crate::trainer::{build_step, Trainer};
+use crate::trainer::{build_spmd_step, build_step, MeshRun, Trainer};
+use crate::tuning::{split, Tuning};
 use graphtrain_autoresearch::search::{Failure, Objective, Prediction};
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::stats::GraphStats;
 use graphtrain_ir::{DType, Graph};
 use graphtrain_lowering::plan_buffers;
+use graphtrain_lowering::Mode;
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::{Pipeline, PipelineSpec, Registry};
-use graphtrain_runtime::{Backend, Fingerprint};
+use graphtrain_runtime::{compile, Backend, CompileOptions};
 
 /// Candidates measured as they would train here.
 pub struct Measured<'a> {
     args: &'a TrainArgs,
     registry: &'a Registry,
     model: Llama3Config,
+    /// The mesh whose SPMD step is searched (ranks as threads), or one device.
+    mesh: Option<MeshRun>,
     /// The unoptimized train step, which every candidate's pipeline rewrites.
     step: Graph,
     numerics_steps: u64,
@@ -50,18 +56,21 @@ impl<'a> Measured<'a> {
         args: &'a TrainArgs,
         registry: &'a Registry,
         model: Llama3Config,
+        mesh: Option<MeshRun>,
         optim: &OptimConfig,
         numerics_steps: u64,
         warmup: u64,
     ) -> Result<Measured<'a>, String> {
-        let step = build_step(&model, DType::F32, optim)
-            .map_err(|e| e.to_string())?
-            .step
-            .graph;
+        let traced = match &mesh {
+            Some(run) => build_spmd_step(&model, &run.mesh, &run.plan, optim),
+            None => build_step(&model, DType::F32, optim),
+        };
+        let step = traced.map_err(|e| e.to_string())?.step.graph;
         Ok(Measured {
             args,
             registry,
             model,
+            mesh,
             step,
             numerics_steps,
             warmup,
@@ -69,17 +78,21 @@ impl<'a> Measured<'a> {
         })
     }
 
-    fn pipeline(&self, list: &str) -> Result<Pipeline, String> {
-        PipelineSpec::parse_list(list)?.build(self.registry)
+    /// A candidate's passes as a pipeline and its settings over `--tuning`.
+    fn pipeline(&self, candidate: &str) -> Result<(Pipeline, Tuning, String), String> {
+        let (passes, settings) = split(candidate);
+        let pipeline = PipelineSpec::parse_list(&passes)?.build(self.registry)?;
+        Ok((pipeline, self.args.tuning_with(&settings)?, settings))
     }
 
-    /// The compiled step for `key` (a pipeline, or `PIPELINE#2`), and whether it is new.
+    /// The compiled step for `key` (a candidate, or `CANDIDATE#2`), and whether it is new.
     fn take(&mut self, key: &str) -> Result<(Trainer, bool), String> {
         if let Some(i) = self.held.iter().position(|(k, _)| k == key) {
             return Ok((self.held.remove(i).1, false));
         }
         let list = key.split('#').next().unwrap_or(key);
-        Ok((trainer_for(self.args, self.pipeline(list)?)?, true))
+        let (pipeline, tuning, _) = self.pipeline(list)?;
+        Ok((trainer_for(self.args, pipeline, &tuning)?, true))
     }
 
     fn give_back(&mut self, key: String, trainer: Trainer) {
@@ -92,21 +105,42 @@ impl<'a> Measured<'a> {
 
 impl Objective for Measured<'_> {
     fn predict(&mut self, list: &str) -> Result<Prediction, Failure> {
-        let pipeline = self.pipeline(list)?;
-        let (optimized, _) = pipeline.run(&self.step).map_err(|e| e.to_string())?;
-        let stats = GraphStats::of(&optimized);
+        let (pipeline, tuning, settings) = self.pipeline(list)?;
+        let options = CompileOptions {
+            fusion: tuning.fusion,
+            ..CompileOptions::new(&pipeline, Mode::Fused)
+        };
+        let compiled = compile(&self.step, Backend::Cpu, &options).map_err(|e| e.to_string())?;
+        let optimized = &compiled.graph;
+        // Settings change the program or how it runs, not the graph: a candidate is the graph
+        // and its settings.
+        let fingerprint = match settings.as_str() {
+            "" => compiled.fingerprint.to_string(),
+            s => format!("{}+{s}", compiled.fingerprint),
+        };
         Ok(Prediction {
-            fingerprint: Fingerprint::of(&optimized).to_string(),
-            peak_bytes: plan_buffers(&optimized, ARENA_ALIGNMENT).arena_bytes as u64,
-            flops: stats.flops,
-            nodes: stats.nodes,
+            fingerprint,
+            peak_bytes: plan_buffers(optimized, ARENA_ALIGNMENT).arena_bytes as u64,
+            flops: GraphStats::of(optimized).flops,
+            launches: compiled.program.as_ref().map_or(0, |p| p.steps.len()),
         })
     }
 
     fn numerics(&mut self, list: &str) -> Result<(), Failure> {
-        let pipeline = self.pipeline(list)?;
-        crate::gate::check_pipeline_on(&self.model, &pipeline, self.numerics_steps, Backend::Cpu)
-            .map_err(Failure::Refused)
+        let (pipeline, tuning, _) = self.pipeline(list)?;
+        let mesh = self.mesh.clone().map(|mut run| {
+            run.threads_per_rank = tuning.threads_per_rank.unwrap_or(run.threads_per_rank);
+            run
+        });
+        crate::gate::check_pipeline_tuned(
+            &self.model,
+            &pipeline,
+            self.numerics_steps,
+            Backend::Cpu,
+            mesh.as_ref(),
+            &tuning,
+        )
+        .map_err(Failure::Refused)
     }
 
     fn pairs(
@@ -157,7 +191,7 @@ enum Answer {
         fingerprint: String,
         peak_bytes: u64,
         flops: f64,
-        nodes: usize,
+        launches: usize,
     },
     Passed,
     Pairs(Vec<(f64, f64)>),
@@ -201,7 +235,7 @@ pub fn serve(objective: &mut dyn Objective) -> Result<(), String> {
                     fingerprint: x.fingerprint,
                     peak_bytes: x.peak_bytes,
                     flops: x.flops,
-                    nodes: x.nodes,
+                    launches: x.launches,
                 }),
                 Err(f) => Err(f),
             },
@@ -392,12 +426,12 @@ impl Objective for Supervised {
                 fingerprint,
                 peak_bytes,
                 flops,
-                nodes,
+                launches,
             } => Ok(Prediction {
                 fingerprint,
                 peak_bytes,
                 flops,
-                nodes,
+                launches,
             }),
             other => Err(failed(other)),
         }

@@ -1033,6 +1033,82 @@ fn a_candidate_that_crashes_or_hangs_its_worker_is_logged_and_the_search_goes_on
     assert!(stdout(&o).contains("best pipeline: "), "{}", stdout(&o));
 }
 
+/// On a mesh the search times the SPMD step on threads, with the collective passes in its
+/// space; the found pipeline trains on that mesh. Another launcher is refused.
+#[test]
+fn search_on_a_mesh_searches_the_collective_passes_too() {
+    let dir = scratch_dir("search-mesh");
+    let log = dir.join("s");
+    let _ = std::fs::remove_dir_all(&log);
+    let base = [
+        "search",
+        "--config",
+        "tiny",
+        "--mesh",
+        "dp_shard=2",
+        "--passes",
+        "bucket",
+        "--log",
+        log.to_str().unwrap(),
+        "--aa-every",
+        "0",
+        "--experiments",
+        "2",
+    ];
+    let o = graphtrain(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let results = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    assert_eq!(results.lines().count(), 3, "{results}");
+    // The start's pipeline has `bucket`, a mesh knob: neighbours keep or drop it.
+    assert!(
+        results.lines().skip(1).all(|l| !l.contains("\tinvalid\t")),
+        "{results}"
+    );
+    let run = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--mesh",
+        "dp_shard=2",
+        "--steps",
+        "1",
+        "--pipeline",
+        log.join("best.ron").to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let o = graphtrain(&[&base[..], &["--launcher", "fake"]].concat());
+    assert_clean_error(&o, &["search on a mesh runs its ranks as threads"]);
+    // The settings a search varies, set by hand: checked, and refused where they cannot apply.
+    let run = ["run", "--config", "tiny", "--steps", "1"];
+    let o = graphtrain(
+        &[
+            &run[..],
+            &[
+                "--mesh",
+                "dp_shard=2",
+                "--tuning",
+                "threads_per_rank=1,gemm=avx2",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for (tuning, needles) in [
+        (
+            "threads_per_rank=1",
+            vec!["--tuning threads_per_rank", "needs --mesh"],
+        ),
+        ("gemm=avx9", vec!["--tuning", "widest, avx2 or scalar"]),
+        (
+            "fusion.max_map_inputs=1",
+            vec!["invalid fusion limits", "max_map_inputs = 1"],
+        ),
+    ] {
+        let o = graphtrain(&[&run[..], &["--tuning", tuning]].concat());
+        assert_clean_error(&o, &needles);
+    }
+}
+
 /// `graphtrain search` on the seeded synthetic objective, logging into `log`.
 fn synthetic_search(log: &std::path::Path, objective: &str, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_graphtrain"));

@@ -18,10 +18,11 @@ import sys
 def pipeline(knobs, choice):
     parts = []
     for knob, i in zip(knobs, choice):
-        c = knob["choices"][i]
-        if c == "off":
+        if i == 0:  # `off` for a pass, `default` for a setting
             continue
-        parts.append(knob["pass"] if c == "on" else f"{knob['pass']}={c}")
+        c = knob["choices"][i]
+        bare = c == "on" and not knob.get("setting", False)
+        parts.append(knob["pass"] if bare else f"{knob['pass']}={c}")
     return ",".join(parts) or "none"
 
 
@@ -39,7 +40,7 @@ def parse(knobs, text):
 
 
 def valid(knobs, rules, choice):
-    on = {knob["pass"] for knob, i in zip(knobs, choice) if knob["choices"][i] != "off"}
+    on = {knob["pass"] for knob, i in zip(knobs, choice) if i != 0}
     return all(r["Requires"]["needs"] in on for r in rules if "Requires" in r and r["Requires"]["pass"] in on)
 
 

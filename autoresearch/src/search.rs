@@ -4,8 +4,8 @@
 //! candidate is drawn again (up to `TRIES` times) when it breaks a rule or runs a pipeline
 //! already tried. Its optimized graph is then predicted: a fingerprint (many pipelines give the
 //! same graph: measured once, logged `duplicate`), the planner's peak (above `memory_cap`:
-//! `over-cap`, never timed), FLOPs and node count (the static pre-filter: more arithmetic and no
-//! fewer nodes than the incumbent is `filtered`, never timed). The numerics gate runs before any
+//! `over-cap`, never timed), FLOPs and launches (the static pre-filter: more arithmetic and no
+//! fewer launches than the incumbent is `filtered`, never timed). The numerics gate runs before any
 //! timing; a failure is logged `numerics` and never kept. The keep rule decides on interleaved
 //! pairs; a keep is confirmed on fresh pairs before the candidate becomes the incumbent (else
 //! `unconfirmed`). While the incumbent itself is over the cap, the first candidate under it that
@@ -27,7 +27,8 @@ pub struct Prediction {
     /// The planner's peak memory of the step, in bytes.
     pub peak_bytes: u64,
     pub flops: f64,
-    pub nodes: usize,
+    /// The steps its lowered program runs per train step (kernel launches and host steps).
+    pub launches: usize,
 }
 
 /// Why an objective could not answer about a pipeline.
@@ -87,7 +88,7 @@ pub struct Search {
     pub deadline: Option<std::time::Instant>,
     /// The most a pipeline's predicted peak may be, in bytes.
     pub memory_cap: Option<u64>,
-    /// Skip (log `filtered`) candidates predicted to do more arithmetic with no fewer nodes.
+    /// Skip (log `filtered`) candidates predicted to do more arithmetic in no fewer launches.
     pub prefilter: bool,
 }
 
@@ -366,11 +367,11 @@ impl Search {
         if self.prefilter
             && incumbent_fits
             && predicted.flops > inc.flops * FLOPS_MARGIN
-            && predicted.nodes >= inc.nodes
+            && predicted.launches >= inc.launches
         {
             let why = format!(
-                "predicted slower: {:.3e} FLOPs against {:.3e}, {} nodes against {}",
-                predicted.flops, inc.flops, predicted.nodes, inc.nodes
+                "predicted slower: {:.3e} FLOPs against {:.3e}, {} launches against {}",
+                predicted.flops, inc.flops, predicted.launches, inc.launches
             );
             return untimed(line("filtered", None, peak, fp, &pipeline, why));
         }
@@ -478,7 +479,7 @@ mod tests {
         assert_eq!(out.incumbent, "canonicalize,cse,capture", "{:?}", j.lines);
         assert!(out.exhausted);
         let statuses: Vec<&str> = j.lines.iter().map(|l| l.status.as_str()).collect();
-        // `ac` does more work in as many nodes: filtered, never timed.
+        // `ac` does more work in as many launches: filtered, never timed.
         for s in ["keep", "discard", "numerics", "duplicate", "filtered", "aa"] {
             assert!(statuses.contains(&s), "{s} not in {statuses:?}");
         }

@@ -1,15 +1,22 @@
-//! The search space: which passes run, in what order, with what options. Each knob is one pass
-//! at a fixed place in the pipeline, off or on with one of its options; a candidate picks one
-//! choice per knob. Constraints between passes are data (`Rule`), checked before anything runs.
+//! The search space: which passes run, in what order, with what options, and the lowering and
+//! runtime settings the step runs with. Each pass knob is one pass at a fixed place in the
+//! pipeline, off or on with one of its options; each setting knob (after the passes) is one
+//! setting, `default` or a value. A candidate picks one choice per knob; its text is the pass
+//! list followed by `setting=value` for each setting away from its default. Constraints between
+//! passes are data (`Rule`), checked before anything runs.
 
 use serde::{Deserialize, Serialize};
 
 /// One pass at its place in the pipeline: `choices[i]` is `off`, `on` (no option) or an option;
-/// the first after `off` is the pass's default (what a bare name in a pipeline means).
+/// the first after `off` is the pass's default (what a bare name in a pipeline means). Or, with
+/// `setting`, a lowering or runtime setting named `pass`: `choices[0]` is `default`, the others
+/// its values. Choice 0 is always the knob left alone.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Knob {
     pub pass: String,
     pub choices: Vec<String>,
+    #[serde(default)]
+    pub setting: bool,
 }
 
 /// A constraint between knobs.
@@ -33,6 +40,18 @@ fn knob(pass: &str, choices: &[&str]) -> Knob {
     Knob {
         pass: pass.into(),
         choices: choices.iter().map(|c| c.to_string()).collect(),
+        setting: false,
+    }
+}
+
+fn setting(name: &str, values: &[&str]) -> Knob {
+    Knob {
+        pass: name.into(),
+        choices: std::iter::once("default")
+            .chain(values.iter().copied())
+            .map(String::from)
+            .collect(),
+        setting: true,
     }
 }
 
@@ -77,21 +96,47 @@ impl Space {
         }
     }
 
-    /// Checks the space itself: choices, rules naming its knobs, and every pass known.
+    /// `builtin(mesh)` and the settings graphtrain's cpu backend is tuned by: fusion limits of
+    /// the lowering, the GEMM kernel, and on a mesh the compute threads of each rank.
+    pub fn builtin_with_settings(mesh: bool) -> Space {
+        let mut space = Space::builtin(mesh);
+        space.knobs.extend([
+            setting("fusion.max_expr_nodes", &["16", "96"]),
+            setting("fusion.converge_hops", &["2", "12"]),
+            setting("gemm", &["avx2"]),
+        ]);
+        if mesh {
+            space.knobs.push(setting("threads_per_rank", &["1", "2"]));
+        }
+        space
+    }
+
+    /// Checks the space itself: choices, rules naming its knobs, every pass known (`known`)
+    /// and every setting after the passes.
     pub fn check(&self, known: impl Fn(&str) -> bool) -> Result<(), String> {
+        let mut settings = false;
         for k in &self.knobs {
+            let what = if k.setting { "setting" } else { "pass" };
             if !known(&k.pass) {
                 return Err(format!(
-                    "the search space names an unknown pass `{}`",
+                    "the search space names an unknown {what} `{}`",
                     k.pass
                 ));
             }
-            if k.choices.first().map(String::as_str) != Some("off") || k.choices.len() < 2 {
+            let first = if k.setting { "default" } else { "off" };
+            if k.choices.first().map(String::as_str) != Some(first) || k.choices.len() < 2 {
                 return Err(format!(
-                    "knob `{}`: the first choice must be `off`, and there must be another",
+                    "knob `{}`: the first choice must be `{first}`, and there must be another",
                     k.pass
                 ));
             }
+            if settings && !k.setting {
+                return Err(format!(
+                    "knob `{}`: passes come before settings in the space",
+                    k.pass
+                ));
+            }
+            settings |= k.setting;
         }
         for r in &self.rules {
             let Rule::Requires { pass, needs } = r;
@@ -110,9 +155,9 @@ impl Space {
             .knobs
             .iter()
             .zip(&c.0)
-            .filter(|(k, &i)| k.choices[i] != "off")
+            .filter(|(_, &i)| i != 0)
             .map(|(k, &i)| match k.choices[i].as_str() {
-                "on" => k.pass.clone(),
+                "on" if !k.setting => k.pass.clone(),
                 option => format!("{}={option}", k.pass),
             })
             .collect();
@@ -141,7 +186,7 @@ impl Space {
             self.knobs
                 .iter()
                 .zip(&c.0)
-                .any(|(k, &i)| k.pass == pass && k.choices[i] != "off")
+                .any(|(k, &i)| k.pass == pass && i != 0)
         };
         for r in &self.rules {
             let Rule::Requires { pass, needs } = r;
@@ -173,7 +218,9 @@ impl Space {
                 })?;
             let choices = &self.knobs[at].choices;
             // A bare name is the pass with its default option: `on`, or the first after `off`.
-            let choice = if choice == "on" && !choices.iter().any(|c| c == "on") {
+            let choice = if self.knobs[at].setting {
+                choice
+            } else if choice == "on" && !choices.iter().any(|c| c == "on") {
                 choices[1].as_str()
             } else {
                 choice
@@ -214,5 +261,30 @@ mod tests {
         assert!(s.parse("ac=half").unwrap_err().contains("takes"));
         let e = s.check(|p| p != "egraph").unwrap_err();
         assert!(e.contains("unknown pass `egraph`"), "{e}");
+    }
+
+    #[test]
+    fn settings_follow_the_passes_and_round_trip() {
+        let s = Space::builtin_with_settings(true);
+        s.check(|_| true).unwrap();
+        let text = "cse,bucket,capture,fusion.max_expr_nodes=16,gemm=avx2,threads_per_rank=2";
+        assert_eq!(s.pipeline(&s.parse(text).unwrap()), text);
+        assert_eq!(
+            s.pipeline(&s.parse("fusion.converge_hops=2").unwrap()),
+            "fusion.converge_hops=2"
+        );
+        // A setting's value is never implied: a bare name is refused.
+        assert!(s.parse("gemm").unwrap_err().contains("takes"));
+        assert!(s
+            .parse("gemm=avx2,cse")
+            .unwrap_err()
+            .contains("after the ones before"));
+        let mut misplaced = s.clone();
+        misplaced.knobs.swap(0, s.knobs.len() - 1);
+        let e = misplaced.check(|_| true).unwrap_err();
+        assert!(
+            e.contains("first choice must be `off`") || e.contains("passes come before"),
+            "{e}"
+        );
     }
 }

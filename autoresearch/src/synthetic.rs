@@ -38,7 +38,7 @@ pub struct Synthetic {
 }
 
 const BASE_FLOPS: f64 = 1e12;
-const BASE_NODES: f64 = 1000.0;
+const BASE_LAUNCHES: f64 = 1000.0;
 
 impl Synthetic {
     /// Every choice neutral; `set` and the fields give it effects.
@@ -215,7 +215,7 @@ impl Objective for Synthetic {
             fingerprint: self.space.pipeline(&c),
             peak_bytes: self.peak_bytes(&c),
             flops: BASE_FLOPS * work,
-            nodes: (BASE_NODES * work) as usize,
+            launches: (BASE_LAUNCHES * work) as usize,
         })
     }
 
