@@ -14,6 +14,7 @@ use crate::step_report::{StepReport, TraceTarget};
 use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
 use crate::tuning::Tuning;
 use clap::{Parser, Subcommand, ValueEnum};
+use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
 use graphtrain_ir::{text, verify, DType, Graph, HostTensor, Phase};
@@ -505,6 +506,13 @@ pub struct TrainArgs {
     /// varies them and prints what it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,
+    /// The element types the step computes in: `f32`, or `bf16-mixed` (torch autocast's
+    /// policy: every matmul reads bf16 copies of its operands, accumulates in f32 and rounds its
+    /// result to bf16; parameters, optimizer state, norms, attention, the loss and every
+    /// reduction stay f32). On `cpu` bf16 values are held in f32 slots (no memory is saved yet);
+    /// the device backends refuse it.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
 }
 
 /// How ranks are started.
@@ -816,6 +824,8 @@ impl TrainArgs {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
                     ..from_env
                 },
+                precision: Precision::parse(&self.precision)
+                    .map_err(|e| format!("--precision: {e}"))?,
             },
             mesh.as_ref(),
         )

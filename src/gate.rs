@@ -11,6 +11,7 @@
 use crate::data::DataSource;
 use crate::trainer::{MeshRun, TrainConfig, Trainer};
 use crate::tuning::Tuning;
+use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::HostTensor;
 use graphtrain_ir::InputKind;
@@ -56,7 +57,15 @@ pub fn check_pipeline_on(
     steps: u64,
     backend: Backend,
 ) -> Result<(), String> {
-    check_pipeline_tuned(model, pipeline, steps, backend, None, &Tuning::default())
+    check_pipeline_tuned(
+        model,
+        pipeline,
+        steps,
+        backend,
+        None,
+        &Tuning::default(),
+        Precision::F32,
+    )
 }
 
 /// As `check_pipeline_on`, both steps on `mesh` (the SPMD step on every rank) when given, the
@@ -68,6 +77,7 @@ pub fn check_pipeline_tuned(
     backend: Backend,
     mesh: Option<&MeshRun>,
     tuning: &Tuning,
+    precision: Precision,
 ) -> Result<(), String> {
     let cfg = TrainConfig {
         data: DataSource::Random,
@@ -81,12 +91,16 @@ pub fn check_pipeline_tuned(
         model,
         cfg.clone(),
         backend,
-        &CompileOptions::new(&no_passes, Mode::Eager),
+        &CompileOptions {
+            precision,
+            ..CompileOptions::new(&no_passes, Mode::Eager)
+        },
         mesh,
     )
     .map_err(|e| e.to_string())?;
     let mut optimized = CompileOptions::new(pipeline, Mode::Fused);
     optimized.fusion = tuning.fusion;
+    optimized.precision = precision;
     if let Some(kernel) = tuning.gemm {
         optimized.runtime.gemm_kernel = kernel;
     }
@@ -153,6 +167,23 @@ pub fn train_on_backends(
     second: Backend,
     second_mode: Mode,
 ) -> Result<(RunRecord, RunRecord), String> {
+    train_on_backends_in(
+        config,
+        steps,
+        Precision::F32,
+        (first, first_mode),
+        (second, second_mode),
+    )
+}
+
+/// `train_on_backends` with both runs under `precision`.
+pub fn train_on_backends_in(
+    config: &str,
+    steps: u64,
+    precision: Precision,
+    (first, first_mode): (Backend, Mode),
+    (second, second_mode): (Backend, Mode),
+) -> Result<(RunRecord, RunRecord), String> {
     let model =
         Llama3Config::builtin(config).ok_or_else(|| format!("unknown config `{config}`"))?;
     let run = |backend: Backend, mode: Mode| -> Result<RunRecord, String> {
@@ -163,8 +194,11 @@ pub fn train_on_backends(
             optim: OptimConfig::default(),
         };
         let no_passes = Pipeline::new(Vec::new());
-        let mut t = Trainer::build(&model, cfg, backend, &CompileOptions::new(&no_passes, mode))
-            .map_err(|e| e.to_string())?;
+        let options = CompileOptions {
+            precision,
+            ..CompileOptions::new(&no_passes, mode)
+        };
+        let mut t = Trainer::build(&model, cfg, backend, &options).map_err(|e| e.to_string())?;
         let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
         for _ in 0..steps {
             let m = t.step().map_err(|e| format!("{backend}: {e}"))?;

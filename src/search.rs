@@ -21,12 +21,13 @@
 use crate::bench;
 use crate::cli::ARENA_ALIGNMENT;
 use crate::cli::{trainer_for, TrainArgs};
-use crate::trainer::{build_spmd_step, build_step, MeshRun, Trainer};
+use crate::trainer::{build_spmd_step_in, build_step_in, MeshRun, Trainer};
 use crate::tuning::{split, Tuning};
 use graphtrain_autoresearch::search::{Failure, Objective, Prediction};
+use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_ir::stats::GraphStats;
-use graphtrain_ir::{DType, Graph};
+use graphtrain_ir::Graph;
 use graphtrain_lowering::plan_buffers;
 use graphtrain_lowering::Mode;
 use graphtrain_models::Llama3Config;
@@ -40,6 +41,8 @@ pub struct Measured<'a> {
     model: Llama3Config,
     /// The mesh whose SPMD step is searched (ranks as threads), or one device.
     mesh: Option<MeshRun>,
+    /// `--precision`: the step the candidates rewrite is traced under it.
+    precision: Precision,
     /// The unoptimized train step, which every candidate's pipeline rewrites.
     step: Graph,
     numerics_steps: u64,
@@ -61,9 +64,10 @@ impl<'a> Measured<'a> {
         numerics_steps: u64,
         warmup: u64,
     ) -> Result<Measured<'a>, String> {
+        let precision = Precision::parse(&args.precision)?;
         let traced = match &mesh {
-            Some(run) => build_spmd_step(&model, &run.mesh, &run.plan, optim),
-            None => build_step(&model, DType::F32, optim),
+            Some(run) => build_spmd_step_in(&model, &run.mesh, &run.plan, optim, precision),
+            None => build_step_in(&model, precision, optim),
         };
         let step = traced.map_err(|e| e.to_string())?.step.graph;
         Ok(Measured {
@@ -71,6 +75,7 @@ impl<'a> Measured<'a> {
             registry,
             model,
             mesh,
+            precision,
             step,
             numerics_steps,
             warmup,
@@ -139,6 +144,7 @@ impl Objective for Measured<'_> {
             Backend::Cpu,
             mesh.as_ref(),
             &tuning,
+            self.precision,
         )
         .map_err(Failure::Refused)
     }

@@ -15,6 +15,7 @@
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};
+use graphtrain_ir::autocast::{autocast, Precision};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{
     mesh::local_part, rng, verify, DType, Graph, HostTensor, Init, InputKind, Mesh, TensorType,
@@ -82,7 +83,18 @@ pub fn build_step(
     dtype: DType,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    build_from_forward(model, dtype, |forward| {
+    build_from_forward(model, dtype, Precision::F32, |forward| {
+        build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
+    })
+}
+
+/// `build_step` in f32 under `precision` (its matmuls in bf16 for `Bf16Mixed`).
+pub fn build_step_in(
+    model: &Llama3Config,
+    precision: Precision,
+    optim: &OptimConfig,
+) -> Result<Traced, TrainError> {
+    build_from_forward(model, DType::F32, precision, |forward| {
         build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
     })
 }
@@ -92,15 +104,18 @@ pub fn build_step(
 fn build_from_forward(
     model: &Llama3Config,
     dtype: DType,
+    precision: Precision,
     to_step: impl FnOnce(graphtrain_ir::Traced) -> Result<TrainStep, String>,
 ) -> Result<Traced, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
     let t0 = Instant::now();
-    let forward = tracing::info_span!("trace")
+    let mut forward = tracing::info_span!("trace")
         .in_scope(|| model.trace(dtype))
         .map_err(|e| err(format!("tracing failed: {e}")))?;
+    forward.graph = autocast(&forward.graph, precision)
+        .map_err(|e| err(format!("--precision {}: {e}", precision.name())))?;
     let t1 = Instant::now();
     let step = tracing::info_span!("autodiff")
         .in_scope(|| to_step(forward))
@@ -251,8 +266,19 @@ pub fn build_spmd_step(
     plan: &Plan,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
+    build_spmd_step_in(model, mesh, plan, optim, Precision::F32)
+}
+
+/// `build_spmd_step` under `precision`.
+pub fn build_spmd_step_in(
+    model: &Llama3Config,
+    mesh: &Mesh,
+    plan: &Plan,
+    optim: &OptimConfig,
+    precision: Precision,
+) -> Result<Traced, TrainError> {
     check_heads_split(model, mesh)?;
-    build_from_forward(model, DType::F32, |forward| {
+    build_from_forward(model, DType::F32, precision, |forward| {
         parallelize(forward, mesh, plan, optim)
             .map(|p| p.step)
             .map_err(|e| format!("--mesh {mesh}: {e}"))
@@ -408,6 +434,8 @@ pub struct Trainer {
     cfg: TrainConfig,
     /// What `use_backend` compiles with again.
     fusion: FusionLimits,
+    /// The element types the step computes in (`autocast`).
+    pub precision: Precision,
     /// Where the step runs.
     ranks: Ranks,
     runtime: RuntimeOptions,
@@ -468,8 +496,10 @@ impl Trainer {
             check_text_fits(text, model)?;
         }
         let Traced { step, mut timings } = match mesh {
-            Some(run) => build_spmd_step(model, &run.mesh, &run.plan, &cfg.optim)?,
-            None => build_step(model, DType::F32, &cfg.optim)?,
+            Some(run) => {
+                build_spmd_step_in(model, &run.mesh, &run.plan, &cfg.optim, options.precision)?
+            }
+            None => build_step_in(model, options.precision, &cfg.optim)?,
         };
         let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
         let passes = std::mem::take(&mut compiled.passes);
@@ -578,6 +608,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             rss_before_load,
             cfg,
             fusion: options.fusion,
+            precision: options.precision,
             ranks,
             runtime: options.runtime.clone(),
             feeds,
@@ -603,6 +634,7 @@ values, {} as the trainer's f64 host copies, and {} is available",
             mode,
             fusion: self.fusion,
             runtime: self.runtime.clone(),
+            precision: self.precision,
         };
         let compiled = compile(&self.graph, backend, &options).map_err(err)?;
         self.timings.lower = compiled.timings.lower;

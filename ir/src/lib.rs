@@ -2,6 +2,7 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the code map and the invariants.
 
+pub mod autocast;
 pub mod autodiff;
 pub mod decompose;
 pub mod dtype;

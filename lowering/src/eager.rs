@@ -274,6 +274,20 @@ fn collective_operand(g: &Graph, handle: ValueId) -> Option<ValueId> {
 /// The elementwise expression of a node over its operands, if it is elementwise.
 pub(crate) fn elementwise_expr(g: &Graph, k: usize) -> Option<Expr> {
     let n = &g.nodes[k];
+    let e = f32_expr(g, k)?;
+    // A bf16 result is held as f32 rounded to bf16; a bf16 operand already is one, so a result
+    // that only moves or widens it needs no rounding.
+    let moves_bf16 = matches!(e, Expr::Input(_)) && g.ty(n.inputs[0]).dtype == DType::BF16;
+    Some(if g.ty(n.outputs[0]).dtype == DType::BF16 && !moves_bf16 {
+        Expr::RoundBf16(Box::new(e))
+    } else {
+        e
+    })
+}
+
+/// `elementwise_expr` before its result is rounded to a bf16 output.
+fn f32_expr(g: &Graph, k: usize) -> Option<Expr> {
+    let n = &g.nodes[k];
     let i = |j: u32| Box::new(Expr::Input(j));
     Some(match &n.op {
         Op::Unary(u) => Expr::Unary(*u, i(0)),

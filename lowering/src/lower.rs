@@ -186,12 +186,36 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
         }
         for o in &n.outputs {
             let d = g.ty(*o).dtype;
+            if d == DType::BF16 {
+                // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls) or only
+                // moves bf16 values (layout ops) may produce it.
+                let holds_bf16 = crate::eager::elementwise_expr(g, k).is_some()
+                    || matches!(
+                        n.op,
+                        Op::Matmul
+                            | Op::Reshape { .. }
+                            | Op::Transpose { .. }
+                            | Op::Slice { .. }
+                            | Op::Expand { .. }
+                    );
+                if holds_bf16 {
+                    continue;
+                }
+                return Err(err(
+                    g,
+                    k,
+                    format!(
+                        "{} produces bf16: the compiled backends compute bf16 in elementwise ops, matmuls and layout ops only (bf16-mixed keeps the rest in f32)",
+                        n.op.name()
+                    ),
+                ));
+            }
             if !ok(d) {
                 return Err(err(
                     g,
                     k,
                     format!(
-                        "{} produces {d}: the compiled backends support f32, i32 and bool tensors today (bf16/f64/i64 run on --backend reference)",
+                        "{} produces {d}: the compiled backends support f32, i32 and bool tensors, and bf16 from some ops (f64/i64 run on --backend reference)",
                         n.op.name()
                     ),
                 ));

@@ -97,6 +97,8 @@ pub enum Expr {
     Trunc(Box<Expr>),
     /// Float -> bool (`x != 0`).
     NonZero(Box<Expr>),
+    /// The nearest bf16 value (ties to even), held as f32: how a bf16 value is stored.
+    RoundBf16(Box<Expr>),
 }
 
 impl Expr {
@@ -107,7 +109,9 @@ impl Expr {
     pub fn size(&self) -> usize {
         match self {
             Expr::Input(_) | Expr::Const(_) => 1,
-            Expr::Unary(_, a) | Expr::Trunc(a) | Expr::NonZero(a) => 1 + a.size(),
+            Expr::Unary(_, a) | Expr::Trunc(a) | Expr::NonZero(a) | Expr::RoundBf16(a) => {
+                1 + a.size()
+            }
             Expr::Binary(_, a, b) | Expr::Compare(_, a, b) => 1 + a.size() + b.size(),
             Expr::Select(c, a, b) => 1 + c.size() + a.size() + b.size(),
         }
@@ -131,6 +135,7 @@ impl Expr {
             Expr::Unary(u, a) => Expr::Unary(u, s(a)),
             Expr::Trunc(a) => Expr::Trunc(s(a)),
             Expr::NonZero(a) => Expr::NonZero(s(a)),
+            Expr::RoundBf16(a) => Expr::RoundBf16(s(a)),
             Expr::Binary(o, a, b) => Expr::Binary(o, s(a), s(b)),
             Expr::Compare(o, a, b) => Expr::Compare(o, s(a), s(b)),
             Expr::Select(c, a, b) => Expr::Select(s(c), s(a), s(b)),

@@ -42,6 +42,7 @@ impl fmt::Display for Expr {
             Expr::Select(c, a, b) => write!(f, "select({c}, {a}, {b})"),
             Expr::Trunc(a) => write!(f, "trunc({a})"),
             Expr::NonZero(a) => write!(f, "nonzero({a})"),
+            Expr::RoundBf16(a) => write!(f, "round_bf16({a})"),
         }
     }
 }

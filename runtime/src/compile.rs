@@ -20,6 +20,7 @@
 use crate::cpu::CpuExecutor;
 use crate::device::{DeviceExecutor, DeviceKind};
 use crate::{Backend, Communicator, Executor, ReferenceExecutor, RuntimeError, RuntimeOptions};
+use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::{decompose::decompose, text, Graph, Placements};
 use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program};
 use graphtrain_passes::{PassRecord, Pipeline, PipelineSpec, Registry};
@@ -36,6 +37,9 @@ pub struct CompileOptions<'p> {
     /// decides fusion, and these are its knobs.
     pub fusion: FusionLimits,
     pub runtime: RuntimeOptions,
+    /// The element types the step computes in. The trainer applies it to the forward graph
+    /// before autodiff (`graphtrain_ir::autocast`); `compile` takes the graph as it comes.
+    pub precision: Precision,
 }
 
 impl<'p> CompileOptions<'p> {
@@ -46,6 +50,7 @@ impl<'p> CompileOptions<'p> {
             mode,
             fusion: FusionLimits::default(),
             runtime: RuntimeOptions::default(),
+            precision: Precision::F32,
         }
     }
 }

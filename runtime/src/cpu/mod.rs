@@ -18,6 +18,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod gemm;
+pub mod gemm_bf16;
 pub mod pool;
 pub mod replay;
 pub mod rope;
@@ -265,22 +266,49 @@ shape {:?} strides {:?}",
             self.off(b.base) + b.offset,
             self.off(out),
         );
-        // SAFETY: the views and the output lie inside the arena; the planner never places an
-        // output over a live operand.
-        unsafe {
-            gemm::sgemm_with(
-                self.gemm,
-                batch,
-                m,
-                n,
-                k,
-                self.base.add(ao),
-                layout(a),
-                self.base.add(bo),
-                layout(b),
-                self.base.add(co),
-                units() as usize,
-            );
+        let bf16 = self.program.graph.ty(out).dtype == graphtrain_ir::DType::BF16;
+        if bf16 && self.gemm == gemm::GemmKernel::Widest && gemm_bf16::available() {
+            // SAFETY: as below; the operands of a bf16 product hold bf16 values.
+            unsafe {
+                gemm_bf16::gemm_bf16(
+                    batch,
+                    m,
+                    n,
+                    k,
+                    self.base.add(ao),
+                    layout(a),
+                    self.base.add(bo),
+                    layout(b),
+                    self.base.add(co),
+                    units() as usize,
+                );
+            }
+        } else {
+            // SAFETY: the views and the output lie inside the arena; the planner never places
+            // an output over a live operand.
+            unsafe {
+                gemm::sgemm_with(
+                    self.gemm,
+                    batch,
+                    m,
+                    n,
+                    k,
+                    self.base.add(ao),
+                    layout(a),
+                    self.base.add(bo),
+                    layout(b),
+                    self.base.add(co),
+                    units() as usize,
+                );
+            }
+        }
+        if bf16 {
+            // A bf16 product: its f32 sums rounded once to bf16, as the interpreter rounds it.
+            // SAFETY: the output's `batch * m * n` elements lie inside the arena (as above).
+            let c = unsafe { std::slice::from_raw_parts_mut(self.base.add(co), batch * m * n) };
+            for x in c {
+                *x = graphtrain_ir::host_tensor::round_bf16(*x);
+            }
         }
         Ok(())
     }

@@ -163,6 +163,17 @@ impl DeviceExecutor {
         options: RuntimeOptions,
         comm: Box<dyn Communicator>,
     ) -> Result<Self, RuntimeError> {
+        let bf16_matmul = program.steps.iter().any(|s| {
+            matches!(s, Step::Matmul { out, .. }
+                if program.graph.ty(*out).dtype == graphtrain_ir::DType::BF16)
+        });
+        if bf16_matmul {
+            return Err(RuntimeError::Unavailable(format!(
+                "the {} backend has no bf16 matmul yet: --precision bf16-mixed runs on cpu and \
+the reference interpreter",
+                kind.name()
+            )));
+        }
         let device = kind.device()?;
         let client = open(&device, kind)?;
         // Whole vectors, plus one vector holding the index-check flag, then the tail.

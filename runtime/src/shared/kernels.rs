@@ -279,6 +279,17 @@ fn eval_op<N: Size>(
             let zero = Vector::<f32, N>::new(0.0);
             select_many(x.not_equal(&zero), Vector::<f32, N>::new(1.0), zero)
         }
+        Expr::RoundBf16(a) => {
+            // As `graphtrain_ir::host_tensor::round_bf16`: adding 0x7FFF plus the lowest kept
+            // bit carries into the kept bits exactly when the dropped half is above one half, or
+            // one half with an odd kept part; NaN passes through.
+            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let bits = Vector::<u32, N>::reinterpret(x);
+            let kept_low = (bits >> Vector::<u32, N>::new(16)) & Vector::<u32, N>::new(1);
+            let rounded = (bits + Vector::<u32, N>::new(32767) + kept_low)
+                & Vector::<u32, N>::new(4294901760);
+            select_many(x.equal(&x), Vector::<f32, N>::reinterpret(rounded), x)
+        }
     }
 }
 

@@ -1,0 +1,282 @@
+//! GEMM of bf16 operands with AVX512_BF16 (`vdpbf16ps`), for the matmuls of a bf16-mixed step.
+//!
+//! Contract:
+//! * `C[b] = A[b] @ B[b]` as f32 sums, C contiguous row-major, overwritten; the caller rounds C
+//!   to bf16. The operands are bf16 values held in f32 slots (low 16 bits zero, which is how the
+//!   cpu backend stores bf16): packing keeps their high halves, exact for such values.
+//! * Every C element is one chain over k in pairs: `acc += a[2p] b[2p] + a[2p+1] b[2p+1]` for
+//!   p = 0, 1, ..., one `vdpbf16ps` per pair (k odd: a zero pads the last pair). Threads split
+//!   batch x m only, so the bits depend neither on the thread count nor on the scheduling. They
+//!   differ from the f32 GEMM's chain (one FMA per k), by rounding only.
+//! * Runs where the cpu has AVX-512F and AVX512_BF16 (`available`); elsewhere the caller runs
+//!   the f32 GEMM on the same values.
+//!
+//! Tiles: 12 rows x 32 columns of C in 24 registers; B is packed once per call into 32-column
+//! panels of k pairs (a panel of `k` = 1536 is 96 KiB, in L2), A per task into row pairs.
+
+use super::gemm::Layout;
+use super::pool::{Pool, TaskPtr};
+
+/// Rows and columns of one register tile.
+const MR: usize = 12;
+const NR: usize = 32;
+/// Rows of C one task computes (a multiple of `MR`): its packed A, 96 x k pairs, stays in L2.
+const ROWS_PER_TASK: usize = 96;
+
+/// Whether this cpu runs the bf16 kernel.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The bf16 pair (x0, x1) as one 32-bit lane: x0 in the low half, as `vdpbf16ps` reads it.
+fn pair(x0: f32, x1: f32) -> u32 {
+    (x0.to_bits() >> 16) | (x1.to_bits() & 0xFFFF_0000)
+}
+
+/// `C = A @ B` over `batch` matrices (see the module's contract).
+///
+/// # Safety
+/// `a`, `b` and `c` must address every element their layouts and shapes name; `c` must not
+/// overlap `a` or `b`; `available()` must be true.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_bf16(
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    la: Layout,
+    b: *const f32,
+    lb: Layout,
+    c: *mut f32,
+    threads: usize,
+) {
+    if batch == 0 || m == 0 || n == 0 {
+        return;
+    }
+    let pairs = k.div_ceil(2);
+    let panels = n.div_ceil(NR);
+    let panel_len = pairs * NR;
+    // B shared by every batch (a weight) is packed once.
+    let b_batches = if lb.batch_stride == 0 { 1 } else { batch };
+    let mut packed_b = vec![0u32; b_batches * panels * panel_len];
+    let pb = TaskPtr(packed_b.as_mut_ptr());
+    let pool = Pool::current();
+    let run = |tasks: usize, f: &(dyn Fn(usize) + Sync)| {
+        if threads <= 1 {
+            (0..tasks).for_each(f);
+        } else {
+            pool.run(tasks, f);
+        }
+    };
+    let bp = TaskPtr(b as *mut f32);
+    run(b_batches * panels, &|t| {
+        let (bi, panel) = (t / panels, t % panels);
+        let at = |kk: usize, j: usize| -> f32 {
+            if kk < k && j < n {
+                // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
+                unsafe { *bp.at(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
+            } else {
+                0.0
+            }
+        };
+        let base = (bi * panels + panel) * panel_len;
+        for p in 0..pairs {
+            for lane in 0..NR {
+                let j = panel * NR + lane;
+                // SAFETY: task t alone writes panel `panel` of batch `bi`.
+                unsafe { *pb.at(base + p * NR + lane) = pair(at(2 * p, j), at(2 * p + 1, j)) };
+            }
+        }
+    });
+    let row_blocks = m.div_ceil(ROWS_PER_TASK);
+    let ap = TaskPtr(a as *mut f32);
+    let cp = TaskPtr(c);
+    let packed_b = &packed_b;
+    run(batch * row_blocks, &|t| {
+        let (bi, block) = (t / row_blocks, t % row_blocks);
+        let rows = block * ROWS_PER_TASK..((block + 1) * ROWS_PER_TASK).min(m);
+        let height = rows.len();
+        // A's rows of this task in pairs, padded to whole tiles with zero rows.
+        let tiles = height.div_ceil(MR);
+        let mut packed_a = vec![0u32; tiles * MR * pairs];
+        for (r, i) in rows.clone().enumerate() {
+            let at = |kk: usize| -> f32 {
+                if kk < k {
+                    // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
+                    unsafe { *ap.at(bi * la.batch_stride + i * la.row_stride + kk * la.col_stride) }
+                } else {
+                    0.0
+                }
+            };
+            // Tile-major: the 12 rows of a tile, pair by pair, as the kernel broadcasts them.
+            let (tile, lane) = (r / MR, r % MR);
+            for p in 0..pairs {
+                packed_a[(tile * pairs + p) * MR + lane] = pair(at(2 * p), at(2 * p + 1));
+            }
+        }
+        let b_batch = if b_batches == 1 { 0 } else { bi };
+        for panel in 0..panels {
+            let b_panel = &packed_b[(b_batch * panels + panel) * panel_len..][..panel_len];
+            let cols = (n - panel * NR).min(NR);
+            for tile in 0..tiles {
+                let a_tile = &packed_a[tile * pairs * MR..][..pairs * MR];
+                let first = rows.start + tile * MR;
+                let live_rows = (rows.end - first).min(MR);
+                // SAFETY: rows first..first+live_rows and columns panel*NR..+cols of batch bi's
+                // C belong to this task alone; `available()` (the caller's contract).
+                unsafe {
+                    let c_tile = cp.at(bi * m * n + first * n + panel * NR);
+                    #[cfg(target_arch = "x86_64")]
+                    tile_12x32(a_tile, b_panel, pairs, c_tile, n, live_rows, cols);
+                    #[cfg(not(target_arch = "x86_64"))]
+                    let _ = (a_tile, b_panel, c_tile, live_rows, cols);
+                }
+            }
+        }
+    });
+}
+
+/// One 12 x 32 tile of C: `rows` x `cols` of it stored at `c` (row stride `ldc`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_12x32(
+    a: &[u32],
+    b: &[u32],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..pairs {
+        // SAFETY: `b` holds `pairs` x 32 lanes, `a` `pairs` x 12 (the packing above).
+        let (b0, b1) = unsafe {
+            (
+                _mm512_loadu_si512(b.as_ptr().add(p * NR) as *const _),
+                _mm512_loadu_si512(b.as_ptr().add(p * NR + 16) as *const _),
+            )
+        };
+        let (b0, b1): (__m512bh, __m512bh) = (std::mem::transmute(b0), std::mem::transmute(b1));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(a[p * MR + r] as i32));
+            row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+            row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+        }
+    }
+    let mask = |from: usize| -> __mmask16 {
+        let live = cols.saturating_sub(from).min(16);
+        if live == 16 {
+            0xFFFF
+        } else {
+            ((1u32 << live) - 1) as __mmask16
+        }
+    };
+    let (m0, m1) = (mask(0), mask(16));
+    for (r, row) in acc.iter().enumerate().take(rows) {
+        // SAFETY: the masks store only the tile's live columns of its live rows.
+        unsafe {
+            let at = c.add(r * ldc);
+            _mm512_mask_storeu_ps(at, m0, row[0]);
+            if cols > 16 {
+                _mm512_mask_storeu_ps(at.add(16), m1, row[1]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use graphtrain_ir::host_tensor::round_bf16;
+
+    /// Against a naive f64 sum of the same bf16 values: within f32 rounding, at odd sizes
+    /// (edge tiles, an odd k), transposed operands, a shared B, and any thread count.
+    #[test]
+    fn matches_the_naive_sum_at_odd_sizes_and_layouts() {
+        if !available() {
+            eprintln!("skipping: this cpu has no AVX512_BF16");
+            return;
+        }
+        let value = |i: usize| round_bf16(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
+        for &(batch, m, n, k, shared, transposed) in &[
+            (1, 13, 37, 33, true, false),
+            (2, 100, 65, 7, false, true),
+            (3, 1, 1, 1, false, false),
+            (1, 97, 32, 300, true, true),
+        ] {
+            let a: Vec<f32> = (0..batch * m * k).map(value).collect();
+            let b: Vec<f32> = (0..(if shared { 1 } else { batch }) * k * n)
+                .map(|i| value(i + 17))
+                .collect();
+            // A row-major, or stored as its transpose (column-major reads).
+            let la = if transposed {
+                Layout {
+                    batch_stride: m * k,
+                    row_stride: 1,
+                    col_stride: m,
+                }
+            } else {
+                Layout {
+                    batch_stride: m * k,
+                    row_stride: k,
+                    col_stride: 1,
+                }
+            };
+            let lb = Layout {
+                batch_stride: if shared { 0 } else { k * n },
+                row_stride: n,
+                col_stride: 1,
+            };
+            let want: Vec<f64> = (0..batch * m * n)
+                .map(|idx| {
+                    let (bi, i, j) = (idx / (m * n), idx / n % m, idx % n);
+                    (0..k)
+                        .map(|kk| {
+                            let x = a[bi * m * k + i * la.row_stride + kk * la.col_stride];
+                            let y = b[bi * lb.batch_stride + kk * n + j];
+                            x as f64 * y as f64
+                        })
+                        .sum()
+                })
+                .collect();
+            let mut runs = Vec::new();
+            for threads in [1, 3] {
+                let mut c = vec![f32::NAN; batch * m * n];
+                // SAFETY: the buffers hold what the shapes name.
+                unsafe {
+                    gemm_bf16(
+                        batch,
+                        m,
+                        n,
+                        k,
+                        a.as_ptr(),
+                        la,
+                        b.as_ptr(),
+                        lb,
+                        c.as_mut_ptr(),
+                        threads,
+                    )
+                };
+                for (idx, (&got, &want)) in c.iter().zip(&want).enumerate() {
+                    let scale: f64 = (0..k).map(|_| 4.0).sum::<f64>().max(1.0);
+                    assert!(
+                        (got as f64 - want).abs() <= 1e-6 * scale,
+                        "({batch},{m},{n},{k}) element {idx}: {got} vs {want}"
+                    );
+                }
+                runs.push(c.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            }
+            assert_eq!(runs[0], runs[1], "the bits depend on the thread count");
+        }
+    }
+}
