@@ -166,9 +166,13 @@ unsafe fn tile_12x32(
                 _mm512_loadu_si512(b.as_ptr().add(p * NR + 16) as *const _),
             )
         };
-        let (b0, b1): (__m512bh, __m512bh) = (std::mem::transmute(b0), std::mem::transmute(b1));
+        let (b0, b1) = (
+            std::mem::transmute::<__m512i, __m512bh>(b0),
+            std::mem::transmute::<__m512i, __m512bh>(b1),
+        );
         for (r, row) in acc.iter_mut().enumerate() {
-            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(a[p * MR + r] as i32));
+            let av =
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a[p * MR + r] as i32));
             row[0] = _mm512_dpbf16_ps(row[0], av, b0);
             row[1] = _mm512_dpbf16_ps(row[1], av, b1);
         }
