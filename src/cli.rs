@@ -707,6 +707,11 @@ impl TrainArgs {
         self.setup_with(self.passes.pipeline(registry, tp_link.as_deref())?)
     }
 
+    /// `--precision`, checked.
+    pub(crate) fn precision(&self) -> Result<Precision, String> {
+        Precision::parse(&self.precision).map_err(|e| format!("--precision: {e}"))
+    }
+
     /// `--tuning`, then `more` (later entries win).
     pub(crate) fn tuning_with(&self, more: &str) -> Result<Tuning, String> {
         Tuning::parse(&format!("{},{more}", self.tuning)).map_err(|e| format!("--tuning {e}"))
@@ -824,8 +829,7 @@ impl TrainArgs {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
                     ..from_env
                 },
-                precision: Precision::parse(&self.precision)
-                    .map_err(|e| format!("--precision: {e}"))?,
+                precision: self.precision()?,
             },
             mesh.as_ref(),
         )
@@ -1910,7 +1914,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         None => None,
     };
     let peak = mesh_peak(
-        crate::peak::peak(&a.train.backend, a.train.peak_gflops),
+        crate::peak::peak_in(&a.train.backend, a.train.peak_gflops, a.train.precision()?),
         mesh.as_ref(),
     );
     let metrics = match a.metrics.as_ref().filter(|_| speaks_for_the_job()) {
@@ -2127,7 +2131,7 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             &a.train.backend,
         ),
         mesh_peak(
-            crate::peak::peak(&a.train.backend, a.train.peak_gflops),
+            crate::peak::peak_in(&a.train.backend, a.train.peak_gflops, a.train.precision()?),
             mesh.as_ref(),
         ),
         |m| {

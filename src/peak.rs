@@ -255,6 +255,39 @@ pub fn peak(backend: &str, given: Option<f64>) -> Option<Peak> {
     (backend == "cpu").then(|| cpu_peak(&cpu_facts())).flatten()
 }
 
+/// The peak `mfu` is reported against for a step in `precision`: `peak` for f32; for
+/// bf16-mixed on `cpu`, twice the f32 peak where the cpu has AVX512_BF16 (one `vdpbf16ps` does
+/// two multiply-adds per f32 lane, in the FMA pipes) and its matmuls run on it, else the f32 peak
+/// (the bf16 matmuls then run as f32 FMAs). Every FLOP of the step counts against it, attention
+/// and the other f32 work included, as torch's and Megatron's MFU do. AMX is not used.
+pub fn peak_in(
+    backend: &str,
+    given: Option<f64>,
+    precision: graphtrain_ir::autocast::Precision,
+) -> Option<Peak> {
+    let f32_peak = peak(backend, given)?;
+    if precision == graphtrain_ir::autocast::Precision::F32 || given.is_some() {
+        return Some(f32_peak);
+    }
+    if backend == "cpu" && graphtrain_runtime::cpu::gemm_bf16::available() {
+        Some(Peak {
+            gflops: 2.0 * f32_peak.gflops,
+            source: format!(
+                "bf16: 2 x the f32 peak, {} (AVX512_BF16: a vdpbf16ps does 2 bf16 products per f32 lane)",
+                f32_peak.source
+            ),
+        })
+    } else {
+        Some(Peak {
+            gflops: f32_peak.gflops,
+            source: format!(
+                "{} (the f32 peak: without AVX512_BF16 the bf16 matmuls run as f32 FMAs)",
+                f32_peak.source
+            ),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

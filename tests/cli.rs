@@ -1109,6 +1109,28 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
     }
 }
 
+/// `--precision bf16-mixed` trains on cpu, its MFU against the bf16 peak where the cpu has one;
+/// an unknown precision and a backend without bf16 matmuls are refused with the reason.
+#[test]
+fn bf16_mixed_trains_on_cpu_and_is_refused_where_it_cannot_run() {
+    let run = ["run", "--config", "tiny", "--steps", "2", "--data", "fixed"];
+    let o = graphtrain(&[&run[..], &["--precision", "bf16-mixed"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(step_losses(&stdout(&o)).len(), 2, "{}", stdout(&o));
+    let o = graphtrain(&[&run[..], &["--precision", "fp8"]].concat());
+    assert_clean_error(&o, &["--precision", "unknown precision `fp8`"]);
+    if !graphtrain::gate::device_backends_for_tests().is_empty() {
+        let o = graphtrain(
+            &[
+                &run[..],
+                &["--precision", "bf16-mixed", "--backend", "wgpu"],
+            ]
+            .concat(),
+        );
+        assert_clean_error(&o, &["no bf16 matmul yet"]);
+    }
+}
+
 /// `graphtrain search` on the seeded synthetic objective, logging into `log`.
 fn synthetic_search(log: &std::path::Path, objective: &str, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_graphtrain"));

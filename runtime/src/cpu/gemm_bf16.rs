@@ -6,7 +6,8 @@
 //!   cpu backend stores bf16): packing keeps their high halves, exact for such values.
 //! * Every C element is one chain over k in pairs: `acc += a[2p] b[2p] + a[2p+1] b[2p+1]` for
 //!   p = 0, 1, ..., one `vdpbf16ps` per pair (k odd: a zero pads the last pair). Threads split
-//!   batch x m only, so the bits depend neither on the thread count nor on the scheduling. They
+//!   batch x m x n, never k, so the bits depend neither on the thread count nor on the
+//!   scheduling. They
 //!   differ from the f32 GEMM's chain (one FMA per k), by rounding only.
 //! * Runs where the cpu has AVX-512F and AVX512_BF16 (`available`); elsewhere the caller runs
 //!   the f32 GEMM on the same values.
@@ -88,42 +89,134 @@ pub unsafe fn gemm_bf16(
             }
         };
         let base = (bi * panels + panel) * panel_len;
-        for p in 0..pairs {
-            for lane in 0..NR {
-                let j = panel * NR + lane;
-                // SAFETY: task t alone writes panel `panel` of batch `bi`.
-                unsafe { *pb.at(base + p * NR + lane) = pair(at(2 * p, j), at(2 * p + 1, j)) };
+        // SAFETY: task t alone writes panel `panel` of batch `bi`, `panel_len` lanes.
+        let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
+        let cols = (n - panel * NR).min(NR);
+        let origin = bi * lb.batch_stride + panel * NR * lb.col_stride;
+        // Read B in its memory order, in runs the compiler vectorizes: along rows (k and
+        // k + 1 side by side), or down columns when B is transposed.
+        if lb.col_stride == 1 {
+            for p in 0..pairs {
+                // SAFETY: rows 2p and 2p + 1 (when < k) hold `cols` elements from `origin`.
+                let r0 = unsafe {
+                    std::slice::from_raw_parts(bp.at(origin + 2 * p * lb.row_stride), cols)
+                };
+                let out = &mut dst[p * NR..p * NR + cols];
+                if 2 * p + 1 < k {
+                    let r1 = unsafe {
+                        std::slice::from_raw_parts(
+                            bp.at(origin + (2 * p + 1) * lb.row_stride),
+                            cols,
+                        )
+                    };
+                    for ((o, &x0), &x1) in out.iter_mut().zip(r0).zip(r1) {
+                        *o = pair(x0, x1);
+                    }
+                } else {
+                    for (o, &x0) in out.iter_mut().zip(r0) {
+                        *o = pair(x0, 0.0);
+                    }
+                }
+            }
+        } else if lb.row_stride == 1 {
+            for lane in 0..cols {
+                // SAFETY: column `panel * NR + lane` holds k elements from its start.
+                let col =
+                    unsafe { std::slice::from_raw_parts(bp.at(origin + lane * lb.col_stride), k) };
+                for (p, two) in col.chunks(2).enumerate() {
+                    dst[p * NR + lane] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
+                }
+            }
+        } else {
+            for p in 0..pairs {
+                for lane in 0..cols {
+                    let j = panel * NR + lane;
+                    dst[p * NR + lane] = pair(at(2 * p, j), at(2 * p + 1, j));
+                }
             }
         }
     });
     let row_blocks = m.div_ceil(ROWS_PER_TASK);
+    // Columns are split too where rows alone would leave a thread idle (a weight gradient of
+    // 256 rows is three row blocks): each task then packs its A rows again, a k x rows copy
+    // against k x rows x columns of arithmetic.
+    let wanted = 4 * threads.max(1);
+    let groups = wanted.div_ceil(batch * row_blocks).clamp(1, panels);
+    let panels_per_group = panels.div_ceil(groups);
+    let groups = panels.div_ceil(panels_per_group);
     let ap = TaskPtr(a as *mut f32);
     let cp = TaskPtr(c);
     let packed_b = &packed_b;
-    run(batch * row_blocks, &|t| {
-        let (bi, block) = (t / row_blocks, t % row_blocks);
+    run(batch * row_blocks * groups, &|t| {
+        let (bi, rest) = (t / (row_blocks * groups), t % (row_blocks * groups));
+        let (block, group) = (rest / groups, rest % groups);
+        let task_panels = group * panels_per_group..((group + 1) * panels_per_group).min(panels);
         let rows = block * ROWS_PER_TASK..((block + 1) * ROWS_PER_TASK).min(m);
         let height = rows.len();
         // A's rows of this task in pairs, padded to whole tiles with zero rows.
         let tiles = height.div_ceil(MR);
         let mut packed_a = vec![0u32; tiles * MR * pairs];
-        for (r, i) in rows.clone().enumerate() {
-            let at = |kk: usize| -> f32 {
-                if kk < k {
-                    // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
-                    unsafe { *ap.at(bi * la.batch_stride + i * la.row_stride + kk * la.col_stride) }
-                } else {
-                    0.0
-                }
-            };
-            // Tile-major: the 12 rows of a tile, pair by pair, as the kernel broadcasts them.
-            let (tile, lane) = (r / MR, r % MR);
+        let at = |i: usize, kk: usize| -> f32 {
+            if kk < k {
+                // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
+                unsafe { *ap.at(bi * la.batch_stride + i * la.row_stride + kk * la.col_stride) }
+            } else {
+                0.0
+            }
+        };
+        // Tile-major: the 12 rows of a tile, pair by pair, as the kernel broadcasts them. Read in
+        // A's memory order: down columns (k and k + 1 side by side) when A is transposed, along
+        // rows when it is row-major.
+        let origin = bi * la.batch_stride + rows.start * la.row_stride;
+        if la.row_stride == 1 && la.col_stride != 1 {
             for p in 0..pairs {
-                packed_a[(tile * pairs + p) * MR + lane] = pair(at(2 * p), at(2 * p + 1));
+                // SAFETY: columns 2p and 2p + 1 (when < k) hold the task's `height` rows.
+                let c0 = unsafe {
+                    std::slice::from_raw_parts(ap.at(origin + 2 * p * la.col_stride), height)
+                };
+                let c1 = (2 * p + 1 < k).then(|| unsafe {
+                    std::slice::from_raw_parts(ap.at(origin + (2 * p + 1) * la.col_stride), height)
+                });
+                for tile in 0..tiles {
+                    let live = (height - tile * MR).min(MR);
+                    let out = &mut packed_a[(tile * pairs + p) * MR..][..live];
+                    let x0 = &c0[tile * MR..tile * MR + live];
+                    match c1 {
+                        Some(c1) => {
+                            let x1 = &c1[tile * MR..tile * MR + live];
+                            for ((o, &a0), &a1) in out.iter_mut().zip(x0).zip(x1) {
+                                *o = pair(a0, a1);
+                            }
+                        }
+                        None => out
+                            .iter_mut()
+                            .zip(x0)
+                            .for_each(|(o, &a0)| *o = pair(a0, 0.0)),
+                    }
+                }
+            }
+        } else if la.col_stride == 1 {
+            for r in 0..height {
+                // SAFETY: row `rows.start + r` holds k elements.
+                let row =
+                    unsafe { std::slice::from_raw_parts(ap.at(origin + r * la.row_stride), k) };
+                let (tile, lane) = (r / MR, r % MR);
+                for (p, two) in row.chunks(2).enumerate() {
+                    packed_a[(tile * pairs + p) * MR + lane] =
+                        pair(two[0], two.get(1).copied().unwrap_or(0.0));
+                }
+            }
+        } else {
+            for r in 0..height {
+                let (tile, lane) = (r / MR, r % MR);
+                for p in 0..pairs {
+                    let i = rows.start + r;
+                    packed_a[(tile * pairs + p) * MR + lane] = pair(at(i, 2 * p), at(i, 2 * p + 1));
+                }
             }
         }
         let b_batch = if b_batches == 1 { 0 } else { bi };
-        for panel in 0..panels {
+        for panel in task_panels.clone() {
             let b_panel = &packed_b[(b_batch * panels + panel) * panel_len..][..panel_len];
             let cols = (n - panel * NR).min(NR);
             for tile in 0..tiles {
@@ -204,7 +297,8 @@ mod tests {
     use graphtrain_ir::host_tensor::round_bf16;
 
     /// Against a naive f64 sum of the same bf16 values: within f32 rounding, at odd sizes
-    /// (edge tiles, an odd k), transposed operands, a shared B, and any thread count.
+    /// (edge tiles, an odd k), row-major and transposed operands (each packing path but the
+    /// general-stride one), a shared B, and any thread count.
     #[test]
     fn matches_the_naive_sum_at_odd_sizes_and_layouts() {
         if !available() {
@@ -236,10 +330,12 @@ mod tests {
                     col_stride: 1,
                 }
             };
+            // B likewise: row-major, or stored as its transpose.
+            let (row_stride, col_stride) = if transposed { (1, k) } else { (n, 1) };
             let lb = Layout {
                 batch_stride: if shared { 0 } else { k * n },
-                row_stride: n,
-                col_stride: 1,
+                row_stride,
+                col_stride,
             };
             let want: Vec<f64> = (0..batch * m * n)
                 .map(|idx| {
@@ -247,7 +343,8 @@ mod tests {
                     (0..k)
                         .map(|kk| {
                             let x = a[bi * m * k + i * la.row_stride + kk * la.col_stride];
-                            let y = b[bi * lb.batch_stride + kk * n + j];
+                            let y =
+                                b[bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride];
                             x as f64 * y as f64
                         })
                         .sum()
