@@ -267,40 +267,16 @@ shape {:?} strides {:?}",
             self.off(out),
         );
         let bf16 = self.program.graph.ty(out).dtype == graphtrain_ir::DType::BF16;
+        // SAFETY: the views and the output lie inside the arena; the planner never places an
+        // output over a live operand.
+        let (pa, pb, pc) = unsafe { (self.base.add(ao), self.base.add(bo), self.base.add(co)) };
+        let (la, lb, threads) = (layout(a), layout(b), units() as usize);
         if bf16 && self.gemm == gemm::GemmKernel::Widest && gemm_bf16::available() {
-            // SAFETY: as below; the operands of a bf16 product hold bf16 values.
-            unsafe {
-                gemm_bf16::gemm_bf16(
-                    batch,
-                    m,
-                    n,
-                    k,
-                    self.base.add(ao),
-                    layout(a),
-                    self.base.add(bo),
-                    layout(b),
-                    self.base.add(co),
-                    units() as usize,
-                );
-            }
+            // SAFETY: as above; the operands of a bf16 product hold bf16 values.
+            unsafe { gemm_bf16::gemm_bf16(batch, m, n, k, pa, la, pb, lb, pc, threads) };
         } else {
-            // SAFETY: the views and the output lie inside the arena; the planner never places
-            // an output over a live operand.
-            unsafe {
-                gemm::sgemm_with(
-                    self.gemm,
-                    batch,
-                    m,
-                    n,
-                    k,
-                    self.base.add(ao),
-                    layout(a),
-                    self.base.add(bo),
-                    layout(b),
-                    self.base.add(co),
-                    units() as usize,
-                );
-            }
+            // SAFETY: as above.
+            unsafe { gemm::sgemm_with(self.gemm, batch, m, n, k, pa, la, pb, lb, pc, threads) };
         }
         if bf16 {
             // A bf16 product: its f32 sums rounded once to bf16, as the interpreter rounds it.
