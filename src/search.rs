@@ -310,11 +310,14 @@ impl Supervised {
             .append(true)
             .open(&self.stderr_log)
             .map_err(|e| format!("cannot open `{}`: {e}", self.stderr_log.display()))?;
-        let mut child = Command::new(exe)
+        let mut command = Command::new(exe);
+        command
             .args(&self.args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(stderr)
+            .stderr(stderr);
+        die_with_parent(&mut command);
+        let mut child = command
             .spawn()
             .map_err(|e| format!("cannot start the search worker: {e}"))?;
         let stdin = child.stdin.take().expect("piped");
@@ -405,6 +408,29 @@ impl Supervised {
             .unwrap_or_default()
     }
 }
+
+/// Has Linux kill the worker when the search that started it dies (a SIGKILLed search would
+/// otherwise leave a worker hung in a kernel running until it next reads its stdin).
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    const PR_SET_PDEATHSIG: i32 = 1;
+    const SIGKILL: u64 = 9;
+    extern "C" {
+        fn prctl(option: i32, ...) -> i32;
+    }
+    // SAFETY: runs in the child between fork and exec; prctl is async-signal-safe and touches
+    // nothing of the parent's.
+    unsafe {
+        command.pre_exec(|| {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut std::process::Command) {}
 
 impl Drop for Supervised {
     fn drop(&mut self) {

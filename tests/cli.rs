@@ -1033,6 +1033,70 @@ fn a_candidate_that_crashes_or_hangs_its_worker_is_logged_and_the_search_goes_on
     assert!(stdout(&o).contains("best pipeline: "), "{}", stdout(&o));
 }
 
+/// The pids of processes whose command line contains `needle`.
+fn pids_running(needle: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_string_lossy().parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            String::from_utf8_lossy(&cmd)
+                .contains(needle)
+                .then_some(pid)
+        })
+        .collect()
+}
+
+/// A search killed with SIGKILL takes its worker with it, even one hung in a candidate.
+#[test]
+fn a_killed_search_leaves_no_worker_behind() {
+    let dir = scratch_dir("search-orphan");
+    let log = dir.join("s");
+    let _ = std::fs::remove_dir_all(&log);
+    let log_arg = log.to_str().unwrap().to_string();
+    let mut search = Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+        .args([
+            "search", "--config", "tiny", "--passes", "none", "--log", &log_arg,
+        ])
+        .args([
+            "--experiments",
+            "2",
+            "--aa-every",
+            "0",
+            "--proposer",
+            "echo cse",
+        ])
+        .env("GRAPHTRAIN_SEARCH_WORKER_FAULT", "hang:cse")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let search_pid = search.id();
+    let worker = |_: ()| {
+        pids_running(&log_arg)
+            .into_iter()
+            .filter(|&p| p != search_pid)
+            .collect::<Vec<_>>()
+    };
+    let started = std::time::Instant::now();
+    while worker(()).is_empty() {
+        assert!(started.elapsed().as_secs() < 60, "no worker started");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    search.kill().unwrap();
+    search.wait().unwrap();
+    let killed = std::time::Instant::now();
+    while !worker(()).is_empty() {
+        assert!(
+            killed.elapsed().as_secs() < 10,
+            "the worker outlived its search: {:?}",
+            worker(())
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// On a mesh the search times the SPMD step on threads, with the collective passes in its
 /// space; the found pipeline trains on that mesh. Another launcher is refused.
 #[test]
