@@ -502,7 +502,7 @@ pub struct TrainArgs {
     /// Lowering and runtime settings that change speed, not the graph, as `name=value`
     /// comma-separated: `fusion.max_map_inputs`, `fusion.max_expr_nodes`,
     /// `fusion.converge_hops` (the lowering's fusion limits), `gemm` (`widest`, `avx2` or
-    /// `scalar`: the cpu GEMM kernel), `threads_per_rank` (on a mesh of threads). `search`
+    /// `scalar`: the cpu GEMM kernel, refused elsewhere), `threads_per_rank` (on a mesh of threads). `search`
     /// varies them and prints what it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,
@@ -802,6 +802,11 @@ impl TrainArgs {
         let backend: Backend = self.backend.parse()?;
         if let Some(why) = backend.unavailable() {
             return Err(why);
+        }
+        if tuning.gemm.is_some() && backend != Backend::Cpu {
+            return Err(format!(
+                "--tuning gemm: the GEMM kernel is the cpu backend's; --backend {backend} has its own"
+            ));
         }
         let mesh = self.mesh.mesh_run_tuned(tuning)?;
         if mesh.is_some() && backend == Backend::Reference {

@@ -193,12 +193,7 @@ enum Request {
 /// The worker's answer, one JSON line on its stdout after `ANSWER`.
 #[derive(serde::Serialize, serde::Deserialize, Debug)]
 enum Answer {
-    Predicted {
-        fingerprint: String,
-        peak_bytes: u64,
-        flops: f64,
-        launches: usize,
-    },
+    Predicted(Prediction),
     Passed,
     Pairs(Vec<(f64, f64)>),
     Refused(String),
@@ -236,15 +231,7 @@ pub fn serve(objective: &mut dyn Objective) -> Result<(), String> {
         let request: Request = serde_json::from_str(&line)
             .map_err(|e| format!("a request the worker cannot read (`{line}`): {e}"))?;
         let answer = match request {
-            Request::Predict(p) => match objective.predict(&p) {
-                Ok(x) => Ok(Answer::Predicted {
-                    fingerprint: x.fingerprint,
-                    peak_bytes: x.peak_bytes,
-                    flops: x.flops,
-                    launches: x.launches,
-                }),
-                Err(f) => Err(f),
-            },
+            Request::Predict(p) => objective.predict(&p).map(Answer::Predicted),
             Request::Numerics(p) => {
                 inject_fault(&p);
                 objective.numerics(&p).map(|()| Answer::Passed)
@@ -454,17 +441,7 @@ fn failed(answer: Answer) -> Failure {
 impl Objective for Supervised {
     fn predict(&mut self, pipeline: &str) -> Result<Prediction, Failure> {
         match self.ask(&Request::Predict(pipeline.into()))? {
-            Answer::Predicted {
-                fingerprint,
-                peak_bytes,
-                flops,
-                launches,
-            } => Ok(Prediction {
-                fingerprint,
-                peak_bytes,
-                flops,
-                launches,
-            }),
+            Answer::Predicted(p) => Ok(p),
             other => Err(failed(other)),
         }
     }

@@ -1164,11 +1164,18 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
         ),
         ("gemm=avx9", vec!["--tuning", "widest, avx2 or scalar"]),
         (
+            "gemm=avx2 --backend reference",
+            vec!["--tuning gemm", "the cpu backend's"],
+        ),
+        (
             "fusion.max_map_inputs=1",
             vec!["invalid fusion limits", "max_map_inputs = 1"],
         ),
     ] {
-        let o = graphtrain(&[&run[..], &["--tuning", tuning]].concat());
+        let mut args = run.to_vec();
+        args.push("--tuning");
+        args.extend(tuning.split(' '));
+        let o = graphtrain(&args);
         assert_clean_error(&o, &needles);
     }
 }

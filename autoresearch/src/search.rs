@@ -20,7 +20,7 @@ use crate::space::{Candidate, Space};
 use crate::stats::{Decision, KeepRule, Verdict};
 
 /// What is known of a candidate's optimized step before it runs.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Prediction {
     /// Equal graphs, equal fingerprints.
     pub fingerprint: String,

@@ -17,6 +17,8 @@
 
 use super::gemm::Layout;
 use super::pool::{Pool, TaskPtr};
+use std::cell::RefCell;
+use std::thread::LocalKey;
 
 /// Rows and columns of one register tile.
 const MR: usize = 12;
@@ -67,7 +69,7 @@ pub unsafe fn gemm_bf16(
     let panel_len = pairs * NR;
     // B shared by every batch (a weight) is packed once.
     let b_batches = if lb.batch_stride == 0 { 1 } else { batch };
-    let mut packed_b = vec![0u32; b_batches * panels * panel_len];
+    let mut packed_b = take_buffer(&PACKED_B, b_batches * panels * panel_len);
     let pb = TaskPtr(packed_b.as_mut_ptr());
     let pool = Pool::current();
     let run = |tasks: usize, f: &(dyn Fn(usize) + Sync)| {
@@ -146,16 +148,16 @@ pub unsafe fn gemm_bf16(
     let groups = panels.div_ceil(panels_per_group);
     let ap = TaskPtr(a as *mut f32);
     let cp = TaskPtr(c);
-    let packed_b = &packed_b;
+    let b_packed = &packed_b;
     run(batch * row_blocks * groups, &|t| {
         let (bi, rest) = (t / (row_blocks * groups), t % (row_blocks * groups));
         let (block, group) = (rest / groups, rest % groups);
         let task_panels = group * panels_per_group..((group + 1) * panels_per_group).min(panels);
         let rows = block * ROWS_PER_TASK..((block + 1) * ROWS_PER_TASK).min(m);
         let height = rows.len();
-        // A's rows of this task in pairs, padded to whole tiles with zero rows.
+        // A's rows of this task in pairs, in whole tiles (rows past `height` are never stored).
         let tiles = height.div_ceil(MR);
-        let mut packed_a = vec![0u32; tiles * MR * pairs];
+        let mut packed_a = take_buffer(&PACKED_A, tiles * MR * pairs);
         let at = |i: usize, kk: usize| -> f32 {
             if kk < k {
                 // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
@@ -217,7 +219,7 @@ pub unsafe fn gemm_bf16(
         }
         let b_batch = if b_batches == 1 { 0 } else { bi };
         for panel in task_panels.clone() {
-            let b_panel = &packed_b[(b_batch * panels + panel) * panel_len..][..panel_len];
+            let b_panel = &b_packed[(b_batch * panels + panel) * panel_len..][..panel_len];
             let cols = (n - panel * NR).min(NR);
             for tile in 0..tiles {
                 let a_tile = &packed_a[tile * pairs * MR..][..pairs * MR];
@@ -234,7 +236,32 @@ pub unsafe fn gemm_bf16(
                 }
             }
         }
+        keep_buffer(&PACKED_A, packed_a);
     });
+    keep_buffer(&PACKED_B, packed_b);
+}
+
+std::thread_local! {
+    /// Each thread's packing buffers, kept between calls: `peer`'s packed operands are hundreds
+    /// of KiB to MiB, which a fresh allocation per call (or per task) maps and faults in again.
+    static PACKED_A: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static PACKED_B: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// This thread's buffer `key`, at least `len` long. Its contents are stale: the packing writes
+/// every lane the kernel's stored results read, and the lanes past an edge (rows past the
+/// task's, columns past `n`) only feed accumulators that are never stored.
+fn take_buffer(key: &'static LocalKey<RefCell<Vec<u32>>>, len: usize) -> Vec<u32> {
+    let mut buffer = key.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    buffer
+}
+
+/// Gives `buffer` back to this thread for its next call.
+fn keep_buffer(key: &'static LocalKey<RefCell<Vec<u32>>>, buffer: Vec<u32>) {
+    key.with(|b| *b.borrow_mut() = buffer);
 }
 
 /// One 12 x 32 tile of C: `rows` x `cols` of it stored at `c` (row stride `ldc`).
