@@ -48,6 +48,10 @@ pub struct BenchSummary {
     pub predicted_peak_bytes: usize,
     /// The executor's own accounting of live tensor bytes, over all steps.
     pub measured_peak_bytes: usize,
+    /// On a device: the bytes its allocator gave the arena (with the composites' tables and
+    /// scratch), and after the measured steps the host memory holding offloaded values.
+    pub device_bytes_in_use: Option<u64>,
+    pub offloaded_host_bytes: Option<u64>,
     /// Resident memory gained from just before the step was loaded onto its backend to the end
     /// of the first step (arena pages touched, JIT code, runtime): measured by the OS, the
     /// independent check of `predicted_peak_bytes` on a compiled backend.
@@ -140,6 +144,7 @@ pub fn run(
         losses.push(m.loss);
         measured_peak = measured_peak.max(m.peak_bytes);
     }
+    let device_memory = trainer.measured_memory();
     let tokens = trainer.model.batch * trainer.model.seq_len;
     let measured = &times[warmup as usize..];
     let med = median(measured);
@@ -181,6 +186,8 @@ pub fn run(
         compile,
         predicted_peak_bytes: load.plan.arena_bytes,
         measured_peak_bytes: measured_peak,
+        device_bytes_in_use: device_memory.map(|m| m.device_bytes),
+        offloaded_host_bytes: device_memory.map(|m| m.host_bytes),
         load_rss_growth_bytes: load_rss_growth,
         peak_rss_bytes: peak_rss_bytes(),
         step_times_s: times,

@@ -1829,8 +1829,12 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         plan_buffers(&trainer.graph, ARENA_ALIGNMENT)
     );
     if let Some(p) = trainer.program() {
+        let host = match p.host_bytes() {
+            0 => String::new(),
+            b => format!("; {:.2}MiB offloaded to host memory", b as f64 / MIB),
+        };
         say!(
-            "lowered ({:?}): {}; arena {:.2}MiB (liveness lower bound {:.2}MiB)",
+            "lowered ({:?}): {}; arena {:.2}MiB (liveness lower bound {:.2}MiB){host}",
             p.mode,
             p.summary(),
             p.plan.arena_bytes as f64 / MIB,
@@ -2192,6 +2196,13 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mib_or_na(s.load_rss_growth_bytes),
         mib_or_na(s.peak_rss_bytes)
     );
+    if let (Some(device), Some(host)) = (s.device_bytes_in_use, s.offloaded_host_bytes) {
+        say!(
+            "device memory: the arena took {:.2}MiB of the device's allocator; offloaded to host memory: {:.2}MiB",
+            device as f64 / MIB,
+            host as f64 / MIB
+        );
+    }
     if !s.median_wait_s.is_empty() {
         let per_rank: Vec<String> = s
             .median_wait_s
@@ -2348,13 +2359,6 @@ fn print_pass_records(records: &[PassRecord]) {
                 .map(|(k, v)| format!("{k}={}", short_number(*v)))
                 .collect();
             say!("     {}", m.join(" "));
-        }
-        if r.pass == "offload" && !r.report.is_noop() {
-            // The pass's figures are the graph's; what a backend does with them is said here.
-            say!(
-                "     no backend has host memory yet: lowered, `offload` and `reload` are copies \
-within the step's arena, so nothing moves and the step's memory does not drop"
-            );
         }
         // Where the pass declined and why: one line per kind of reason (reasons that differ
         // only in their numbers are one kind), with the first one's text.

@@ -652,6 +652,11 @@ values, {} as the trainer's f64 host copies, and {} is available",
 
     /// Time by step kind, when profiling was asked for (`RuntimeOptions::profile`, compiled
     /// backends).
+    /// What the backend measures its memory to hold (a device's allocator, offloaded bytes).
+    pub fn measured_memory(&self) -> Option<graphtrain_runtime::MeasuredMemory> {
+        self.exec.measured_memory()
+    }
+
     pub fn profile_report(&mut self) -> Option<String> {
         self.exec.profile_report()
     }

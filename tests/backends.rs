@@ -1192,3 +1192,114 @@ fn bf16_mixed_tiny_matches_the_interpreter_and_trains_as_f32() {
         "bf16-mixed computed exactly as f32: the casts did nothing"
     );
 }
+
+/// Offload and reload through every backend: the value goes to host memory and comes back, its
+/// arena bytes reused meanwhile (on cpu the driver removes both nodes; the device backends run
+/// the Program's offload and reload steps).
+#[test]
+fn offloaded_values_come_back_unchanged() {
+    check(
+        "offload",
+        "graph offload {
+  input %x: f32[5,13]
+  %1: f32[5,13] = exp(%x)
+  %2: f32[5,13] = offload(%1)
+  %3: f32[5,13] = sin(%x)
+  %4: f32[5,13] = mul(%3, %3)
+  %5: f32[5,13] = reload(%2)
+  %6: f32[5,13] = mul(%5, %4)
+  output o = %6
+}",
+    );
+}
+
+/// `offload` on a whole train step: on a device it moves what it says to host memory, the
+/// arena (planned, and as the device's allocator measures it) shrinks, and training is bitwise
+/// the same; on cpu, whose arena is host memory, the report says nothing moved and the Program
+/// holds no offload step.
+#[test]
+fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu() {
+    use graphtrain::data::DataSource;
+    use graphtrain::trainer::{TrainConfig, Trainer};
+    use graphtrain_ir::optim::OptimConfig;
+    use graphtrain_passes::{PipelineSpec, Registry};
+    use graphtrain_runtime::CompileOptions;
+
+    let tiny = graphtrain_models::Llama3Config::builtin("tiny").unwrap();
+    let build = |list: &str, backend: Backend| {
+        let pipeline = PipelineSpec::parse_list(list)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        let cfg = TrainConfig {
+            data: DataSource::Random,
+            seed: 0,
+            lr: 1e-3,
+            optim: OptimConfig::default(),
+        };
+        Trainer::build_on(
+            &tiny,
+            cfg,
+            backend,
+            &CompileOptions::new(&pipeline, Mode::Fused),
+            None,
+        )
+        .unwrap_or_else(|e| panic!("{list} on {backend}: {e}"))
+    };
+    let offload = "offload=min_bytes:1024;prefetch:2,default";
+    let offloads = |t: &Trainer| {
+        t.program()
+            .unwrap()
+            .steps
+            .iter()
+            .filter(|s| s.kind() == "offload")
+            .count()
+    };
+
+    let cpu = build(offload, Backend::Cpu);
+    assert_eq!(offloads(&cpu), 0, "cpu runs no offload step");
+    assert_eq!(cpu.program().unwrap().host_bytes(), 0);
+    let record = cpu.passes.iter().find(|r| r.pass == "offload").unwrap();
+    assert!(
+        record
+            .report
+            .declined
+            .iter()
+            .any(|d| d.reason.contains("nothing to move")),
+        "the cpu run must say that offload moved nothing: {:?}",
+        record.report
+    );
+
+    for backend in device_backends() {
+        let run = |list: &str| {
+            let mut t = build(list, backend);
+            let steps: Vec<(u64, u64)> = (0..3)
+                .map(|_| {
+                    let m = t.step().unwrap();
+                    (m.loss.to_bits(), m.grad_norm.to_bits())
+                })
+                .collect();
+            let p = t.program().unwrap();
+            let planned = (p.plan.arena_bytes, p.host_bytes(), offloads(&t));
+            (steps, planned, t.measured_memory().unwrap())
+        };
+        let (steps_with, (arena_with, moved, n_offloads), m_with) = run(offload);
+        let (steps_without, (arena_without, _, _), m_without) = run("default");
+        assert!(n_offloads > 0 && moved > 0, "{backend}: nothing offloaded");
+        assert_eq!(steps_with, steps_without, "{backend}: offloading changed the step");
+        assert!(
+            arena_with < arena_without,
+            "{backend}: the planned arena did not shrink: {arena_with} with offload, \
+{arena_without} without"
+        );
+        assert_eq!(m_with.host_bytes, moved as u64, "{backend}: host bytes");
+        assert_eq!(m_without.host_bytes, 0);
+        assert_eq!(
+            m_without.device_bytes as i64 - m_with.device_bytes as i64,
+            arena_without as i64 - arena_with as i64,
+            "{backend}: the device allocator gave the arena {} bytes with offload, {} without",
+            m_with.device_bytes,
+            m_without.device_bytes
+        );
+    }
+}

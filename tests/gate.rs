@@ -71,7 +71,7 @@ fn default_pipeline_and_ac_are_bitwise_identical_on_wgpu_tiny() {
 }
 
 /// Activation checkpointing and offload are tier 1 too: recomputation is deterministic, on the
-/// interpreter and on the cpu backend.
+/// interpreter and on the cpu backend, and offload's round trip through host memory on a device.
 #[test]
 fn memory_passes_are_bitwise_identical_on_tiny() {
     let tiny = Llama3Config::builtin("tiny").unwrap();
@@ -90,6 +90,13 @@ fn memory_passes_are_bitwise_identical_on_tiny() {
         check_pipeline(&tiny, &p, 5).unwrap_or_else(|e| panic!("{list}: {e}"));
         check_pipeline_on(&tiny, &p, 5, Backend::Cpu)
             .unwrap_or_else(|e| panic!("{list} on cpu: {e}"));
+        // On a device, offload moves values to host memory and back: still tier 1.
+        if list.starts_with("offload") {
+            for backend in graphtrain::gate::device_backends_for_tests() {
+                check_pipeline_on(&tiny, &p, 5, backend)
+                    .unwrap_or_else(|e| panic!("{list} on {backend}: {e}"));
+            }
+        }
     }
 }
 

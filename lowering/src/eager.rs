@@ -237,6 +237,16 @@ pub(crate) fn structural_steps(
             src: n.inputs[0],
             handle: out,
         },
+        // Not elementwise: an identity inlined into its reader would keep the value in the
+        // arena, which is what offloading exists to avoid.
+        Op::Offload => Step::Offload {
+            src: n.inputs[0],
+            out,
+        },
+        Op::Reload => Step::Reload {
+            src: n.inputs[0],
+            out,
+        },
         Op::Wait => Step::Wait {
             handle: n.inputs[0],
             src: collective_operand(g, n.inputs[0]).ok_or_else(|| {
@@ -311,7 +321,6 @@ fn f32_expr(g: &Graph, k: usize) -> Option<Expr> {
                 _ => Expr::Input(0),
             }
         }
-        Op::Offload | Op::Reload => Expr::Input(0),
         Op::ToPartial { group, .. } => Expr::Binary(
             BinaryOp::Mul,
             i(0),

@@ -12,6 +12,8 @@
 //! - emits steps: one per node (`Mode::Eager`, `eager`), or with layout ops read as views and
 //!   elementwise chains fused into one kernel, bounded by `FusionLimits` (`Mode::Fused`,
 //!   `fusion`), where consecutive in-place AdamW updates also merge into one step;
+//! - lowers `offload` and `reload` to one step each (`Step::Offload`, `Step::Reload`): the
+//!   offloaded value lives in host memory (`Program::host_values`), not in the arena;
 //! - plans one arena for every materialized value (`plan_slots`), the constants live for the
 //!   whole program, parameters and optimizer state updated in place; and records each step's
 //!   capture region for the runtime.
@@ -89,8 +91,23 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
     };
     // Constants are written at load and read by every run: live from the first slot to the last.
     let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
+    // Offloaded values live in host memory: the arena holds no bytes for them.
+    let host_values: Vec<ValueId> = steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Offload { out, .. } => Some(*out),
+            _ => None,
+        })
+        .collect();
+    let in_arena = |vs: Vec<ValueId>| -> Vec<ValueId> {
+        vs.into_iter().filter(|v| !host_values.contains(v)).collect()
+    };
     let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
-    slots.extend(steps.iter().map(|s| (s.reads(), s.outputs())));
+    slots.extend(
+        steps
+            .iter()
+            .map(|s| (in_arena(s.reads()), in_arena(s.outputs()))),
+    );
     slots.push((const_ids, Vec::new()));
     let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
     let producers = graph.producers();
@@ -105,6 +122,7 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         mode,
         constants,
         step_regions,
+        host_values,
     })
 }
 
@@ -193,6 +211,8 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
                     || matches!(
                         n.op,
                         Op::Matmul
+                            | Op::Offload
+                            | Op::Reload
                             | Op::Reshape { .. }
                             | Op::Transpose { .. }
                             | Op::Slice { .. }

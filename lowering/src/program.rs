@@ -341,6 +341,12 @@ pub enum Step {
         src: ValueId,
         handle: ValueId,
     },
+    /// Copies the whole of contiguous `src` out of the arena into host memory as `out`, which
+    /// has no bytes in the arena (`Program::host_values`): `src`'s bytes are free for other
+    /// values from here until the `Reload` of `out`.
+    Offload { src: ValueId, out: ValueId },
+    /// Copies the host-resident `src` (an `Offload`'s result) back into the arena as `out`.
+    Reload { src: ValueId, out: ValueId },
     /// Returns once the collective started on `handle` has completed. `out` is stored in
     /// `handle`'s bytes (the plan joins them), so nothing is copied; it names `src` so that the
     /// collective's operand stays live until here.
@@ -419,6 +425,7 @@ impl Step {
                 vec![q.base, k.base, v.base, dout.base]
             }
             Step::CollectiveStart { src, .. } => vec![*src],
+            Step::Offload { src, .. } | Step::Reload { src, .. } => vec![*src],
             Step::Wait { handle, src, .. } => vec![*handle, *src],
         }
     }
@@ -437,7 +444,9 @@ impl Step {
             | Step::Rope { out, .. }
             | Step::CrossEntropy { out, .. }
             | Step::CrossEntropyBackward { out, .. }
-            | Step::Wait { out, .. } => *out,
+            | Step::Wait { out, .. }
+            | Step::Offload { out, .. }
+            | Step::Reload { out, .. } => *out,
             Step::CollectiveStart { handle, .. } => *handle,
             Step::Copy { dst, .. } => dst.base,
             Step::Attention { out, .. } => out.base,
@@ -477,6 +486,8 @@ impl Step {
             Step::AttentionBackward { .. } => "attention_backward",
             Step::CollectiveStart { collective, .. } => collective.start_name(),
             Step::Wait { .. } => "wait",
+            Step::Offload { .. } => "offload",
+            Step::Reload { .. } => "reload",
         }
     }
 }
@@ -517,6 +528,9 @@ pub struct Program {
     /// that produces what the step writes: a runtime replays a run of steps of one region as a
     /// pre-bound launch list, and dispatches steps with no region one by one.
     pub step_regions: Vec<Option<u32>>,
+    /// Values held in host memory instead of the arena: the results of `Offload` steps, read
+    /// back by `Reload` steps. The plan gives them no buffer.
+    pub host_values: Vec<ValueId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -548,6 +562,14 @@ impl Program {
     /// Elements in the arena (4 bytes each).
     pub fn arena_elems(&self) -> usize {
         self.plan.arena_bytes / ELEM_BYTES
+    }
+
+    /// Bytes the Program keeps in host memory (`host_values`) while it runs.
+    pub fn host_bytes(&self) -> usize {
+        self.host_values
+            .iter()
+            .map(|v| self.graph.ty(*v).numel() * ELEM_BYTES)
+            .sum()
     }
 
     /// Element offset of a materialized value.

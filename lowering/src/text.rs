@@ -54,13 +54,17 @@ impl fmt::Display for Program {
             Mode::Eager => "eager",
             Mode::Fused => "fused",
         };
-        writeln!(
+        write!(
             f,
             "program {mode}: {}, {}, arena {} bytes",
             plural(self.steps.len(), "step"),
             plural(self.constants.len(), "constant"),
             self.plan.arena_bytes
         )?;
+        if !self.host_values.is_empty() {
+            write!(f, ", host {} bytes", self.host_bytes())?;
+        }
+        writeln!(f)?;
         for (v, t) in &self.constants {
             let shown: Vec<String> = t
                 .data
@@ -140,17 +144,21 @@ impl<'a> Printer<'a> {
     }
 
     fn at(&self, v: ValueId) -> String {
+        format!("{}@{}", self.name(v), self.place(v))
+    }
+
+    /// Where a value lives: its arena offset, `host` (offloaded), or `?` (no buffer).
+    fn place(&self, v: ValueId) -> String {
         match self.p.plan.offset_of(v) {
-            Some(o) => format!("{}@{o}", self.name(v)),
-            None => format!("{}@?", self.name(v)),
+            Some(o) => o.to_string(),
+            None if self.p.host_values.contains(&v) => "host".to_string(),
+            None => "?".to_string(),
         }
     }
 
     /// A value a step writes: its name, type and offset.
     fn out(&self, v: ValueId) -> String {
-        let o = self.p.plan.offset_of(v);
-        let o = o.map_or_else(|| "?".to_string(), |o| o.to_string());
-        format!("{}: {}@{o}", self.name(v), self.p.graph.ty(v))
+        format!("{}: {}@{}", self.name(v), self.p.graph.ty(v), self.place(v))
     }
 
     /// The view's geometry, unless it is the whole value as it is stored.
@@ -391,6 +399,14 @@ impl<'a> Printer<'a> {
                     named(&[("src", self.at(*src))])
                 ),
                 collective_attrs(collective, mesh_dims),
+            ),
+            Step::Offload { src, out } | Step::Reload { src, out } => (
+                format!(
+                    "{kind} {} <- {}",
+                    self.out(*out),
+                    named(&[("src", self.at(*src))])
+                ),
+                Vec::new(),
             ),
             Step::Wait { handle, out, .. } => (
                 format!(

@@ -333,3 +333,33 @@ fn collectives_lower_to_start_and_wait_steps() {
     }
     insta::assert_snapshot!(both(src));
 }
+
+// An offloaded value leaves the arena between its offload and its reload: it is written to host
+// memory (`@host`), its arena bytes go to values computed meanwhile, and the reload writes it
+// back into the arena for the readers after. Offload and reload are never inlined as identities
+// (which would keep the value in the arena).
+#[test]
+fn offloaded_values_live_in_host_memory_between_offload_and_reload() {
+    let src = "graph offload {
+  input %x: f32[8,16]
+  %1: f32[8,16] = exp(%x)
+  %2: f32[8,16] = offload(%1)
+  %3: f32[8,16] = sin(%x)
+  %4: f32[8,16] = mul(%3, %3)
+  %5: f32[8,16] = reload(%2)
+  %6: f32[8,16] = mul(%5, %4)
+  output o = %6
+}";
+    let g = parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    for mode in [Mode::Eager, Mode::Fused] {
+        let p = lower(&g, mode).unwrap();
+        let kinds: Vec<&str> = p.steps.iter().map(|s| s.kind()).collect();
+        assert!(kinds.contains(&"offload") && kinds.contains(&"reload"), "{mode:?}: {kinds:?}");
+        assert_eq!(p.host_bytes(), 8 * 16 * 4, "{mode:?}");
+        for v in &p.host_values {
+            assert_eq!(p.plan.offset_of(*v), None, "{mode:?}: a host value got arena bytes");
+        }
+    }
+    insta::assert_snapshot!(both(src));
+}

@@ -14,6 +14,11 @@
 //! backward reader, phase `bwd` (`opt` if it lands among optimizer nodes). Backward readers read
 //! the reload, so the device buffer dies at the offload. Both nodes carry `remat=offload`.
 //!
+//! What a backend does with them: the device backends (`wgpu`, `cuda`) keep an offloaded value
+//! in host memory, outside the arena, from the offload to the reload; on `cpu` the arena is host
+//! memory already, so the driver removes both nodes before lowering (`without_offloading`) and
+//! adds to this pass's report that nothing moved.
+//!
 //! Guarantees: tier 1 (offload and reload are identities on values); phases stay monotone.
 //! Running it again changes nothing: offloaded values have no backward reader left.
 //!
@@ -23,6 +28,7 @@
 use crate::memory::{human_bytes, profile};
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
+use crate::substitute::{rebuild, Substitution};
 use graphtrain_ir::{Graph, Meta, Node, Op, Phase, Remat, Tags, ValueId};
 
 pub const OPTION_HELP: &str =
@@ -36,7 +42,9 @@ pub const INFO: PassInfo = PassInfo {
 at least N bytes), inserts `offload` right after its last forward use and `reload` K backward \
 nodes before its first backward reader (prefetch:K, default 1); backward readers read the reload. \
 Tier 1: both ops are identities on values. Phases stay monotone. Declines for graph outputs and \
-for tagged values no backward node reads.",
+for tagged values no backward node reads. wgpu and cuda hold offloaded values in host memory, \
+outside the arena; on cpu, whose arena is host memory, nothing moves and the nodes are removed \
+before lowering.",
     option_help: Some(OPTION_HELP),
 };
 
@@ -100,6 +108,27 @@ impl Offload {
             prefetch: prefetch.unwrap_or(1),
         })
     }
+}
+
+/// `g` with every `offload` and `reload` removed (their readers read the value itself) and the
+/// number of values that were offloaded; `None` when `g` has none. For a backend whose arena is
+/// host memory, where moving a value to host memory would be a copy that frees nothing.
+pub fn without_offloading(g: &Graph) -> Option<(Graph, usize)> {
+    let mut subst = Substitution::new(g);
+    let mut offloaded = 0;
+    let keep: Vec<bool> = g
+        .nodes
+        .iter()
+        .map(|n| {
+            let moves = matches!(n.op, Op::Offload | Op::Reload);
+            if moves {
+                subst.set(n.outputs[0], n.inputs[0]);
+                offloaded += usize::from(matches!(n.op, Op::Offload));
+            }
+            !moves
+        })
+        .collect();
+    (offloaded > 0).then(|| (rebuild(g, g.nodes.clone(), &keep, &subst), offloaded))
 }
 
 impl Pass for Offload {

@@ -7,6 +7,8 @@
 //!    optimized graph, its `Fingerprint` (equal graphs, equal fingerprints: a search measures
 //!    each distinct graph once) and the Program (what a simulator reads), with what each stage
 //!    took;
+//!    On `cpu`, whose arena is host memory, `offload` has nothing to move: its nodes are removed
+//!    before lowering and its record says so;
 //! 2. `Compiled::load`: the executor for the backend, given its runtime options and its
 //!    communicator.
 //!
@@ -109,9 +111,25 @@ pub fn compile(
         return Err(RuntimeError::Unavailable(why));
     }
     let t0 = Instant::now();
-    let (optimized, passes) = tracing::info_span!("passes", count = options.pipeline.passes.len())
-        .in_scope(|| options.pipeline.run(graph))
-        .map_err(|e| RuntimeError::Pipeline(e.to_string()))?;
+    let (mut optimized, mut passes) =
+        tracing::info_span!("passes", count = options.pipeline.passes.len())
+            .in_scope(|| options.pipeline.run(graph))
+            .map_err(|e| RuntimeError::Pipeline(e.to_string()))?;
+    if backend == Backend::Cpu {
+        if let Some((kept, values)) = graphtrain_passes::offload::without_offloading(&optimized) {
+            optimized = kept;
+            for record in passes.iter_mut().filter(|r| r.pass == "offload") {
+                record.report.decline(
+                    None,
+                    "",
+                    format!(
+                        "the cpu backend's arena is host memory: nothing to move, so the {values} \
+offloaded values stay in the arena (offload and reload removed before lowering)"
+                    ),
+                );
+            }
+        }
+    }
     let t1 = Instant::now();
     let program = match backend {
         Backend::Reference => None,

@@ -157,6 +157,17 @@ pub fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
+/// Memory as a backend measures it (`Executor::measured_memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeasuredMemory {
+    /// Bytes the device's allocator reported the arena (with the composites' tables and scratch)
+    /// to take when it was allocated: its bytes in use after, less before. Staging buffers the
+    /// runtime keeps for its own reads and writes are not counted.
+    pub device_bytes: u64,
+    /// Bytes of host memory holding values offloaded from the device.
+    pub host_bytes: u64,
+}
+
 /// A step loaded on a backend.
 pub trait Executor {
     /// The graph whose values `write` and `read` address: the legalized graph a compiled
@@ -178,6 +189,11 @@ pub trait Executor {
     /// Bytes of memory held for tensors: the arena on a compiled backend, the peak of live
     /// tensors in the last run on the interpreter.
     fn memory_bytes(&self) -> usize;
+    /// What the memory is measured to hold, where the backend can measure it: on a device, what
+    /// its allocator gave the arena and the host memory holding offloaded values.
+    fn measured_memory(&self) -> Option<MeasuredMemory> {
+        None
+    }
     /// Puts the donated inputs back as they were before the last `run`, where the backend kept
     /// them: `false` where it updates them in place (every compiled backend), and then the state
     /// after a failed step is not one any completed step left.

@@ -86,6 +86,10 @@ pub struct CpuExecutor {
     /// The GEMM kernel matmuls and attention's products run on.
     gemm: gemm::GemmKernel,
     comm: Box<dyn Communicator>,
+    /// Offloaded values (`Program::host_values`), kept between runs so their memory is reused.
+    /// Compiled for `cpu`, a Program has none (`legalize` removes offloading there: the arena is
+    /// already host memory); one lowered elsewhere runs all the same.
+    host: std::collections::HashMap<ValueId, Vec<f32>>,
 }
 
 type ComputeClient = Client;
@@ -153,6 +157,7 @@ memory is available to the cpu backend",
             timeline: options.timeline.then(Recorder::default),
             gemm: options.gemm_kernel,
             comm,
+            host: Default::default(),
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -570,6 +575,22 @@ shape {:?} strides {:?}",
                 unsafe { self.comm.start(call)? };
             }
             Step::Wait { handle, .. } => self.comm.wait(handle.index())?,
+            Step::Offload { src, out } => {
+                let (at, n) = (self.off(*src), self.numel(*src));
+                let from = self.arena_mut()[at..at + n].to_vec();
+                self.host.insert(*out, from);
+            }
+            Step::Reload { src, out } => {
+                let at = self.off(*out);
+                let data = self.host.remove(src).ok_or_else(|| {
+                    RuntimeError::Backend(format!(
+                        "reload of value {} before its offload",
+                        src.index()
+                    ))
+                })?;
+                self.arena_mut()[at..at + data.len()].copy_from_slice(&data);
+                self.host.insert(*src, data);
+            }
             _ => unreachable!("not a host step"),
         }
         Ok(())

@@ -145,6 +145,12 @@ pub struct DeviceExecutor {
     /// Collectives in flight, by handle id: the operand and result in host memory, where the
     /// communicator reads and writes them (`Staged`).
     staged: HashMap<usize, Staged>,
+    /// Offloaded values (`Program::host_values`) in host memory, kept between runs so their
+    /// memory is reused: the arena holds no bytes for them.
+    host: HashMap<ValueId, Vec<f32>>,
+    /// What the device's allocator reported the arena to take when it was created (its bytes
+    /// in use after, less before): the measurement the plan's arena is checked against.
+    arena_measured: u64,
 }
 
 /// A collective's operand and result copied out of the device arena: the communicators move
@@ -192,7 +198,15 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 crate::mib(max.min(usize::MAX as u64) as usize)
             )));
         }
+        let in_use = || {
+            client
+                .memory_report(cubecl::MemoryScope::Device)
+                .usage()
+                .bytes_in_use
+        };
+        let before = in_use();
         let arena = client.create_from_slice(&vec![0u8; bytes]);
+        let arena_measured = in_use().saturating_sub(before);
         let constants = program.constants.clone();
         let mut exec = DeviceExecutor {
             program,
@@ -207,6 +221,8 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             host_scalars: HashMap::new(),
             comm,
             staged: HashMap::new(),
+            host: HashMap::new(),
+            arena_measured,
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -540,6 +556,20 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 })?;
                 // The wait's result shares its handle's bytes (the buffer plan's rule).
                 self.write_floats(self.off(*handle), &staged.dst);
+            }
+            Step::Offload { src, out } => {
+                // The read waits for the launches that produce `src`; its bytes are free after.
+                let data = self.read_floats(self.off(*src), g.ty(*src).numel())?;
+                self.host.insert(*out, data);
+            }
+            Step::Reload { src, out } => {
+                let data = self.host.get(src).ok_or_else(|| {
+                    RuntimeError::Backend(format!(
+                        "step {i} (reload): value {} was never offloaded",
+                        src.index()
+                    ))
+                })?;
+                self.write_floats(self.off(*out), data);
             }
             Step::Attention { .. }
             | Step::AttentionBackward { .. }
@@ -1135,5 +1165,12 @@ impl Executor for DeviceExecutor {
 
     fn memory_bytes(&self) -> usize {
         self.tail.end * 4
+    }
+
+    fn measured_memory(&self) -> Option<crate::MeasuredMemory> {
+        Some(crate::MeasuredMemory {
+            device_bytes: self.arena_measured,
+            host_bytes: self.host.values().map(|v| (v.len() * 4) as u64).sum(),
+        })
     }
 }
