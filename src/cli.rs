@@ -103,6 +103,11 @@ pub enum Command {
     /// about candidates compiled and timed in this process.
     #[command(hide = true)]
     SearchWorker(SearchArgs),
+    /// Predict one rank's step on a machine without running it: step time, tokens/s per device,
+    /// MFU, memory and exposed communication, from the compiled step (after passes) and a
+    /// hardware description (`--hardware`: built-in GPUs, a RON file, or `this-cpu`, measured
+    /// now).
+    Sim(SimArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
         /// Graph file: `.ron` is read as RON, anything else as the text format.
@@ -403,6 +408,46 @@ pub struct TraceArgs {
     pub optim: OptimArgs,
     #[command(flatten)]
     pub passes: PassArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SimArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The device mesh, e.g. `dp_shard=8` or `dp_shard=8,tp=8`: the SPMD step of one rank is
+    /// simulated.
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// A parallelization plan (RON), as for `run`.
+    #[arg(long, requires = "mesh")]
+    pub plan: Option<PathBuf>,
+    /// The global batch instead of the config's.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    #[command(flatten)]
+    pub optim: OptimArgs,
+    #[command(flatten)]
+    pub passes: PassArgs,
+    /// `f32` or `bf16-mixed` (matmuls at the bf16 peak).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The machine: `h100-sxm`, `h200`, `a100-sxm`, a RON file with the same fields, or
+    /// `this-cpu` (this host, measured now with a GEMM, an attention, a memory sweep and a
+    /// launch: a few seconds).
+    #[arg(long, default_value = "this-cpu")]
+    pub hardware: String,
+    /// Nodes the run spans (devices per node come from the hardware); a mesh larger than they
+    /// hold is refused.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// One emulated link for every collective, `GBPS:LATENCY_US` as `run --link` takes it for
+    /// each dimension: to predict a threads run with emulated links.
+    #[arg(long, requires = "mesh")]
+    pub link: Option<String>,
+    /// Write the hardware description used (with `this-cpu`: what was measured) to this RON
+    /// file.
+    #[arg(long)]
+    pub write_hardware: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -1425,6 +1470,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Search(a) => search(a, registry),
         Command::SearchWorker(a) => search_worker(a, registry),
         Command::Passes(c) => passes_command(c, registry),
+        Command::Sim(a) => sim(a, registry),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
         Command::Generate(a) => generate(a),
@@ -1563,6 +1609,121 @@ fn spmd_step(
     let mesh = parse_mesh(mesh)?;
     let plan = load_plan(plan, &mesh)?;
     crate::trainer::build_spmd_step(cfg, &mesh, &plan, optim).map_err(|e| e.to_string())
+}
+
+fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
+    use crate::sim::{hardware::Hardware, simulate, LinkSpec, Links};
+    if a.nodes == 0 {
+        return Err("--nodes must be at least 1".into());
+    }
+    let hw = if a.hardware == "this-cpu" {
+        let c = crate::sim::calibrate::this_cpu()?;
+        say!(
+            "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), causal attention {:.1} GFLOP/s, memory {:.1} GB/s, a launch {:.1} us",
+            c.gemm_gflops,
+            100.0 * c.hardware.efficiency.matmul,
+            c.hardware.peak_gflops_f32,
+            c.peak_source,
+            c.attention_gflops,
+            c.memory_gbps,
+            c.launch_us
+        );
+        c.hardware
+    } else {
+        Hardware::load(&a.hardware)?
+    };
+    if let Some(path) = &a.write_hardware {
+        std::fs::write(path, hw.to_ron()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let links = match &a.link {
+        None => Links::Hardware,
+        Some(l) => {
+            let link = graphtrain_runtime::Link::parse(l).map_err(|e| format!("--link: {e}"))?;
+            Links::Every(LinkSpec {
+                gbps: link.bytes_per_s / 1e9,
+                latency_us: link.latency.as_secs_f64() * 1e6,
+            })
+        }
+    };
+    let mut cfg = model_config(&a.model)?;
+    if let Some(batch) = a.batch {
+        if batch == 0 {
+            return Err("--batch must be at least 1".into());
+        }
+        cfg.batch = batch;
+    }
+    let optim = a.optim.config()?;
+    let precision = Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?;
+    let pipeline = a.passes.pipeline(registry, None)?;
+    let traced = match &a.mesh {
+        None => {
+            crate::trainer::build_step_in(&cfg, precision, &optim).map_err(|e| e.to_string())?
+        }
+        Some(mesh) => {
+            let mesh = parse_mesh(mesh)?;
+            let plan = load_plan(a.plan.as_deref(), &mesh)?;
+            crate::trainer::build_spmd_step_in(&cfg, &mesh, &plan, &optim, precision)
+                .map_err(|e| e.to_string())?
+        }
+    };
+    let program = crate::sim::lower_for(&traced.step.graph, &pipeline, &hw)?;
+    let p = simulate(&program, &hw, links, a.nodes)?;
+    let g = &program.graph;
+    let world = g.mesh.as_ref().map_or(1, |m| m.world_size());
+    let global_tps = (cfg.batch * cfg.seq_len) as f64 / p.step_s;
+    let peak = match precision {
+        Precision::F32 => hw.peak_gflops_f32,
+        Precision::Bf16Mixed => hw.peak_gflops_bf16,
+    };
+    // On a cpu host the ranks share its peak; on GPUs each rank has a device's.
+    let peak_all = match hw.kind {
+        crate::sim::hardware::Kind::Cpu => peak,
+        crate::sim::hardware::Kind::Gpu => peak * world as f64,
+    };
+    let mfu = cfg.flops_per_token() * global_tps / 1e9 / peak_all;
+    say!(
+        "sim: {} on {} ({} rank(s){}): step {:.4} s, {:.0} tok/s ({:.0} per rank), mfu {:.1}% of {:.0} GFLOP/s ({})",
+        a.model.config,
+        hw.name,
+        world,
+        g.mesh.as_ref().map(|m| format!(", mesh {m}")).unwrap_or_default(),
+        p.step_s,
+        global_tps,
+        global_tps / world as f64,
+        100.0 * mfu,
+        peak_all,
+        a.precision
+    );
+    let kinds: Vec<String> = p
+        .by_kind
+        .iter()
+        .map(|(k, s)| format!("{k} {:.2} ms", s * 1e3))
+        .collect();
+    say!(
+        "     compute lane: {} over {} steps; communication: {} collectives, {:.2} ms on the link, {:.2} ms exposed",
+        kinds.join(", "),
+        p.steps,
+        p.collectives,
+        p.comm_s * 1e3,
+        p.exposed_comm_s * 1e3
+    );
+    let fits = (p.arena_bytes as f64) <= hw.memory_gib * (1u64 << 30) as f64;
+    say!(
+        "     memory: arena {:.2} MiB{} ({} the {:.0} GiB of a device){}",
+        p.arena_bytes as f64 / MIB,
+        match p.host_bytes {
+            0 => String::new(),
+            b => format!(" + {:.2} MiB offloaded to host", b as f64 / MIB),
+        },
+        if fits { "fits in" } else { "DOES NOT FIT in" },
+        hw.memory_gib,
+        if hw.kind == crate::sim::hardware::Kind::Cpu && world > 1 {
+            " (per rank; the ranks share the host)"
+        } else {
+            ""
+        }
+    );
+    Ok(())
 }
 
 fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {

@@ -17,6 +17,7 @@ pub mod plot;
 pub mod replay;
 pub mod search;
 pub mod sharded;
+pub mod sim;
 pub mod step_report;
 pub mod timeline;
 pub mod trainer;

@@ -1286,7 +1286,10 @@ fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu(
         let (steps_with, (arena_with, moved, n_offloads), m_with) = run(offload);
         let (steps_without, (arena_without, _, _), m_without) = run("default");
         assert!(n_offloads > 0 && moved > 0, "{backend}: nothing offloaded");
-        assert_eq!(steps_with, steps_without, "{backend}: offloading changed the step");
+        assert_eq!(
+            steps_with, steps_without,
+            "{backend}: offloading changed the step"
+        );
         assert!(
             arena_with < arena_without,
             "{backend}: the planned arena did not shrink: {arena_with} with offload, \

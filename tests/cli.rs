@@ -1375,3 +1375,41 @@ fn a_memory_cap_no_pipeline_meets_is_reported_with_the_smallest_peak() {
         .unwrap();
     assert_clean_error(&o, &["--objective `synthetic:x`"]);
 }
+
+/// `sim` predicts a step on a built-in GPU without one, refuses a mesh its nodes cannot hold
+/// and unknown hardware, and names a bad field of a hardware file.
+#[test]
+fn sim_predicts_on_builtin_hardware_and_refuses_what_does_not_fit() {
+    let o = graphtrain(&["sim", "--config", "tiny", "--hardware", "h100-sxm"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("sim: tiny on h100-sxm (1 rank(s))"), "{out}");
+    assert!(out.contains("mfu") && out.contains("arena"), "{out}");
+    let o = graphtrain(&[
+        "sim",
+        "--config",
+        "tiny",
+        "--mesh",
+        "dp_shard=16",
+        "--batch",
+        "16",
+        "--hardware",
+        "h200",
+    ]);
+    assert_clean_error(&o, &["16 ranks", "--nodes 2"]);
+    let o = graphtrain(&["sim", "--config", "tiny", "--hardware", "tpu-v9"]);
+    assert_clean_error(&o, &["unknown hardware `tpu-v9`", "h100-sxm"]);
+    let bad = temp_file(
+        "bad-hw.ron",
+        &include_str!("../src/sim/hardware/h200.ron")
+            .replace("memory_gbps: 4800.0", "memory_gbps: -1.0"),
+    );
+    let o = graphtrain(&[
+        "sim",
+        "--config",
+        "tiny",
+        "--hardware",
+        bad.to_str().unwrap(),
+    ]);
+    assert_clean_error(&o, &["bad-hw.ron", "memory_gbps"]);
+}

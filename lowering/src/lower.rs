@@ -100,7 +100,9 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         })
         .collect();
     let in_arena = |vs: Vec<ValueId>| -> Vec<ValueId> {
-        vs.into_iter().filter(|v| !host_values.contains(v)).collect()
+        vs.into_iter()
+            .filter(|v| !host_values.contains(v))
+            .collect()
     };
     let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
     slots.extend(

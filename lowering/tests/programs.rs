@@ -355,10 +355,17 @@ fn offloaded_values_live_in_host_memory_between_offload_and_reload() {
     for mode in [Mode::Eager, Mode::Fused] {
         let p = lower(&g, mode).unwrap();
         let kinds: Vec<&str> = p.steps.iter().map(|s| s.kind()).collect();
-        assert!(kinds.contains(&"offload") && kinds.contains(&"reload"), "{mode:?}: {kinds:?}");
+        assert!(
+            kinds.contains(&"offload") && kinds.contains(&"reload"),
+            "{mode:?}: {kinds:?}"
+        );
         assert_eq!(p.host_bytes(), 8 * 16 * 4, "{mode:?}");
         for v in &p.host_values {
-            assert_eq!(p.plan.offset_of(*v), None, "{mode:?}: a host value got arena bytes");
+            assert_eq!(
+                p.plan.offset_of(*v),
+                None,
+                "{mode:?}: a host value got arena bytes"
+            );
         }
     }
     insta::assert_snapshot!(both(src));

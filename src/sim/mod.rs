@@ -1,0 +1,282 @@
+//! `graphtrain sim`: predicts what one rank's compiled step does on a machine described by a
+//! `Hardware` file, without running it.
+//!
+//! It reads the Program the step lowers to (the same steps, buffers and collectives a run
+//! executes), and walks it in order on two lanes, as a rank runs it:
+//! - the compute lane: each step costs a fixed launch plus the larger of its FLOPs at the
+//!   peak of its precision times the efficiency of its kind (GEMM, attention) and its bytes at
+//!   the memory bandwidth times the memory efficiency (a roofline per step);
+//! - the communication lane: a collective's start queues it there (it begins when both the
+//!   compute lane has reached the start and the lane is free); it takes the link's latency plus
+//!   what one member sends under NCCL's ring algorithms over the link's bandwidth; a wait
+//!   blocks the compute lane until its collective ends, and that blocked time is the exposed
+//!   communication.
+//!
+//! Memory is the buffer plan's arena (what the backend allocates), plus offloaded bytes on the
+//! host. MFU counts the model's FLOPs per token (as `bench` does) against the peak of the
+//! precision its matmuls use.
+//!
+//! Topology: ranks are laid out row-major over the mesh (the last dimension fastest), devices
+//! fill nodes in rank order; a collective whose group spans more than one node runs at the
+//! inter-node link, otherwise at the intra-node one. On a `Cpu` host, ranks share its cores and
+//! memory bandwidth, so a rank computes at 1/world of the host's rates.
+//!
+//! What it does not model yet: contention between the communication lane and compute for
+//! memory bandwidth, NCCL's tree algorithms (rings only), pipeline parallelism, the host's own
+//! work between steps, and a Chrome trace of the simulated timeline.
+
+pub mod calibrate;
+pub mod hardware;
+
+pub use hardware::LinkSpec;
+
+use graphtrain_ir::{Collective, DType, Graph, Mesh, ValueId};
+use graphtrain_lowering::program::Access;
+use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program, Step};
+use graphtrain_passes::Pipeline;
+use graphtrain_runtime::{legalize, Backend};
+use hardware::{Hardware, Kind};
+use std::collections::HashMap;
+
+/// The Program `graph` runs as on `hw`, through `pipeline`: what `runtime::compile` lowers
+/// (legalized, fused, default limits), with offloading kept on a GPU (which has host memory to
+/// move to) and removed on a cpu host, as compile does there. No device is needed.
+pub fn lower_for(graph: &Graph, pipeline: &Pipeline, hw: &Hardware) -> Result<Program, String> {
+    let (mut optimized, _) = pipeline.run(graph).map_err(|e| e.to_string())?;
+    if hw.kind == Kind::Cpu {
+        if let Some((kept, _)) = graphtrain_passes::offload::without_offloading(&optimized) {
+            optimized = kept;
+        }
+    }
+    // Every backend keeps the same composites, so the cpu's legalization is the devices'.
+    let legal = legalize(&optimized, Backend::Cpu, Mode::Fused).map_err(|e| e.to_string())?;
+    lower_with_limits(
+        &legal,
+        Mode::Fused,
+        &|op| Backend::Cpu.keeps_composite(op),
+        &FusionLimits::default(),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Where the simulator says a rank's step time goes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prediction {
+    /// One rank's step, seconds.
+    pub step_s: f64,
+    /// Compute-lane busy time by kind of work (`matmul`, `attention`, `memory`, `launch`,
+    /// `host`), seconds.
+    pub by_kind: Vec<(String, f64)>,
+    /// Time the compute lane waited for collectives (exposed communication).
+    pub exposed_comm_s: f64,
+    /// Time the communication lane was busy.
+    pub comm_s: f64,
+    pub steps: usize,
+    pub collectives: usize,
+    /// The arena (device memory for tensors) and the host memory holding offloaded values.
+    pub arena_bytes: usize,
+    pub host_bytes: usize,
+}
+
+impl Prediction {
+    fn add(&mut self, kind: &str, s: f64) {
+        match self.by_kind.iter_mut().find(|(k, _)| k == kind) {
+            Some(e) => e.1 += s,
+            None => self.by_kind.push((kind.to_string(), s)),
+        }
+    }
+}
+
+/// How a simulated rank reaches the others: the hardware's links, or one link for every mesh
+/// dimension (`--link`, as the emulated links of a threads run).
+#[derive(Clone, Copy, Debug)]
+pub enum Links {
+    Hardware,
+    Every(LinkSpec),
+}
+
+/// Simulates `program` (one rank's) on `hw`. `mesh` is the graph's, `nodes` how many nodes
+/// the run spans (the mesh must fit in them).
+pub fn simulate(
+    program: &Program,
+    hw: &Hardware,
+    links: Links,
+    nodes: usize,
+) -> Result<Prediction, String> {
+    let g = &program.graph;
+    let world = g.mesh.as_ref().map_or(1, Mesh::world_size);
+    if hw.kind == Kind::Gpu && world > nodes * hw.gpus_per_node {
+        return Err(format!(
+            "the mesh has {world} ranks and {nodes} node(s) of {} `{}` hold {}: give --nodes {} \
+or a smaller mesh",
+            hw.gpus_per_node,
+            hw.name,
+            nodes * hw.gpus_per_node,
+            world.div_ceil(hw.gpus_per_node)
+        ));
+    }
+    // Ranks of a cpu host share its cores and memory.
+    let share = match hw.kind {
+        Kind::Cpu => world as f64,
+        Kind::Gpu => 1.0,
+    };
+    let bandwidth = hw.memory_gbps * 1e9 * hw.efficiency.memory / share;
+    let flop_rate = |dtype: DType, efficiency: f64| {
+        let peak = match dtype {
+            DType::BF16 => hw.peak_gflops_bf16,
+            _ => hw.peak_gflops_f32,
+        };
+        peak * 1e9 * efficiency / share
+    };
+    let bytes = |v: ValueId| (g.ty(v).numel() * 4) as f64;
+    let launch = hw.launch_us * 1e-6;
+
+    let mut p = Prediction {
+        steps: program.steps.len(),
+        arena_bytes: program.plan.arena_bytes,
+        host_bytes: program.host_bytes(),
+        ..Prediction::default()
+    };
+    let (mut compute, mut comm_free) = (0.0f64, 0.0f64);
+    let mut ends: HashMap<ValueId, f64> = HashMap::new();
+    for step in &program.steps {
+        let (kind, seconds) = match step {
+            Step::Matmul {
+                out,
+                b,
+                batch,
+                m,
+                n,
+                k,
+                ..
+            } => {
+                let flops = 2.0 * (batch * m * n * k) as f64;
+                let shared_b = b.strides.first() == Some(&0);
+                let b_elems = if shared_b { k * n } else { batch * k * n };
+                let moved = 4.0 * (batch * (m * k + m * n) + b_elems) as f64;
+                let t = (flops / flop_rate(g.ty(*out).dtype, hw.efficiency.matmul))
+                    .max(moved / bandwidth);
+                ("matmul", t)
+            }
+            Step::Attention { q, causal, .. } | Step::AttentionBackward { q, causal, .. } => {
+                let [b, h, s, d] = dims4(&q.shape);
+                let mut flops = 4.0 * (b * h * s * s * d) as f64;
+                if *causal {
+                    flops /= 2.0;
+                }
+                // Backward recomputes the probabilities and does four products: 2.5x forward.
+                if matches!(step, Step::AttentionBackward { .. }) {
+                    flops *= 2.5;
+                }
+                let t = flops / flop_rate(DType::F32, hw.efficiency.attention);
+                ("attention", t)
+            }
+            Step::CollectiveStart {
+                collective,
+                mesh_dims,
+                src,
+                handle,
+            } => {
+                let mesh = g
+                    .mesh
+                    .as_ref()
+                    .ok_or("a collective in a graph without a mesh")?;
+                let group = mesh.group(0, mesh_dims);
+                let link = match links {
+                    Links::Every(l) => l,
+                    Links::Hardware => {
+                        let first = group[0] / hw.gpus_per_node;
+                        if hw.kind == Kind::Gpu
+                            && group.iter().any(|r| r / hw.gpus_per_node != first)
+                        {
+                            hw.inter_node
+                        } else {
+                            hw.intra_node
+                        }
+                    }
+                };
+                let sent = ring_bytes(collective, group.len(), bytes(*src), bytes(*handle));
+                let begin = compute.max(comm_free);
+                comm_free = begin + link.seconds(sent);
+                p.comm_s += link.seconds(sent);
+                p.collectives += 1;
+                ends.insert(*handle, comm_free);
+                ("launch", 0.0)
+            }
+            Step::Wait { handle, .. } => {
+                let end = ends.get(handle).copied().unwrap_or(compute);
+                let blocked = (end - compute).max(0.0);
+                p.exposed_comm_s += blocked;
+                compute += blocked;
+                continue;
+            }
+            Step::Offload { src, .. } | Step::Reload { src, .. } => {
+                let t = match hw.kind {
+                    Kind::Gpu => hw.host_link.seconds(bytes(*src)),
+                    Kind::Cpu => 2.0 * bytes(*src) / bandwidth,
+                };
+                ("host", t)
+            }
+            other => ("memory", moved_bytes(g, other) / bandwidth),
+        };
+        p.add(kind, seconds);
+        p.add("launch", launch);
+        compute += seconds + launch;
+    }
+    // The step ends when both lanes are done (a collective nobody waits for still runs).
+    p.step_s = compute.max(comm_free);
+    Ok(p)
+}
+
+/// Bytes one member of an `n`-member group sends under a ring algorithm: all-gather and
+/// reduce-scatter (n-1)/n of the larger side, all-reduce twice that, broadcast the tensor.
+pub fn ring_bytes(c: &Collective, n: usize, src_bytes: f64, dst_bytes: f64) -> f64 {
+    let ring = (n as f64 - 1.0) / n as f64;
+    match c {
+        Collective::AllGather { .. } => ring * dst_bytes,
+        Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => ring * src_bytes,
+        Collective::AllReduce { .. } => 2.0 * ring * src_bytes,
+        Collective::Broadcast { .. } => src_bytes,
+    }
+}
+
+fn dims4(shape: &[usize]) -> [usize; 4] {
+    let mut d = [1usize; 4];
+    let r = shape.len().min(4);
+    d[4 - r..].copy_from_slice(&shape[shape.len() - r..]);
+    d
+}
+
+/// Bytes a memory-bound step reads and writes.
+fn moved_bytes(g: &Graph, step: &Step) -> f64 {
+    let numel = |v: ValueId| g.ty(v).numel();
+    let elems: usize = match step {
+        Step::Map { len, inputs, .. } => {
+            len + inputs
+                .iter()
+                .map(|i| match i.access {
+                    Access::Full => *len,
+                    Access::Scalar => 1,
+                    Access::Outer { .. } | Access::Inner { .. } => numel(i.value).min(*len),
+                })
+                .sum::<usize>()
+        }
+        Step::MapReduce {
+            outer,
+            inner,
+            inputs,
+            out,
+            ..
+        } => numel(*out) + inputs.len() * outer * inner,
+        Step::Copy { src, .. } => 2 * src.shape.iter().product::<usize>(),
+        Step::Reduce { src, out, .. } => numel(*out) + src.shape.iter().product::<usize>(),
+        Step::Gather { out, index, .. } => 2 * numel(*out) + numel(*index),
+        Step::ScatterAdd { src, add, .. } => 2 * numel(*src) + numel(*add),
+        Step::AdamW { updates, .. } => updates.iter().map(|u| 7 * numel(u.p)).sum(),
+        Step::CrossEntropy { logits, .. } => 2 * logits.shape.iter().product::<usize>(),
+        Step::CrossEntropyBackward { logits, .. } => 3 * logits.shape.iter().product::<usize>(),
+        Step::Rope { out, .. } => 2 * numel(*out),
+        other => other.outputs().into_iter().map(numel).sum(),
+    };
+    (elems * 4) as f64
+}

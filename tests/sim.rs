@@ -1,0 +1,174 @@
+//! The simulator (`graphtrain::sim`): its cost model on Programs small enough to work out by
+//! hand, its lanes (communication overlapped or exposed), the cluster's shape, and the CLI.
+//! How close it comes to measured steps is a benchmark (docs/benchmarks.md), not a test.
+
+use graphtrain::sim::hardware::Hardware;
+use graphtrain::sim::{lower_for, ring_bytes, simulate, LinkSpec, Links};
+use graphtrain::trainer::build_spmd_step;
+use graphtrain_ir::optim::OptimConfig;
+use graphtrain_ir::{text, Collective, Mesh};
+use graphtrain_models::Llama3Config;
+use graphtrain_passes::parallelize::Plan;
+use graphtrain_passes::{Pipeline, PipelineSpec, Registry};
+
+/// A made-up GPU with round figures, so that expected times are easy to write down.
+fn round_gpu() -> Hardware {
+    Hardware::parse(
+        "(name: \"round\", kind: Gpu, peak_gflops_f32: 1000.0, peak_gflops_bf16: 4000.0,
+          memory_gbps: 100.0, memory_gib: 1.0, launch_us: 10.0,
+          efficiency: (matmul: 0.5, attention: 0.25, memory: 0.5), gpus_per_node: 2,
+          intra_node: (gbps: 10.0, latency_us: 5.0), inter_node: (gbps: 1.0, latency_us: 50.0),
+          host_link: (gbps: 1.0, latency_us: 0.0))",
+        "round",
+    )
+    .unwrap()
+}
+
+fn none() -> Pipeline {
+    Pipeline::new(Vec::new())
+}
+
+fn pipeline(list: &str) -> Pipeline {
+    PipelineSpec::parse_list(list)
+        .unwrap()
+        .build(&Registry::builtin())
+        .unwrap()
+}
+
+// A GEMM bound by FLOPs and an add bound by bytes, each timed as the roofline says plus its
+// launch.
+#[test]
+fn a_step_costs_its_launch_plus_its_roofline() {
+    let g = text::parse(
+        "graph g {
+  input %a: f32[256,512]
+  input %b: f32[512,128]
+  %2: f32[256,128] = matmul(%a, %b)
+  %3: f32[256,128] = exp(%2)
+  output o = %3
+}",
+    )
+    .unwrap();
+    let hw = round_gpu();
+    let program = lower_for(&g, &none(), &hw).unwrap();
+    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let matmul = 2.0 * 256.0 * 512.0 * 128.0 / (1000e9 * 0.5);
+    let bytes = 4.0 * (256.0 * 512.0 + 512.0 * 128.0 + 256.0 * 128.0);
+    assert!(
+        matmul > bytes / (100e9 * 0.5),
+        "the GEMM is compute-bound here"
+    );
+    let exp = 2.0 * 4.0 * 256.0 * 128.0 / (100e9 * 0.5);
+    let want = matmul + exp + 2.0 * 10e-6;
+    assert_eq!(p.steps, 2);
+    assert!((p.step_s - want).abs() < 1e-12, "{} vs {want}", p.step_s);
+    assert_eq!(p.exposed_comm_s, 0.0);
+}
+
+#[test]
+fn ring_volumes_follow_nccl_rings() {
+    let gather = Collective::AllGather { axis: 0 };
+    assert_eq!(ring_bytes(&gather, 4, 100.0, 400.0), 300.0);
+    let reduce = graphtrain_ir::Reduce::Sum;
+    assert_eq!(
+        ring_bytes(
+            &Collective::ReduceScatter { axis: 0, reduce },
+            4,
+            400.0,
+            100.0
+        ),
+        300.0
+    );
+    assert_eq!(
+        ring_bytes(&Collective::AllReduce { reduce }, 2, 100.0, 100.0),
+        100.0
+    );
+}
+
+fn tiny_on(mesh: &str) -> graphtrain_ir::Graph {
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let mesh = Mesh::parse(mesh).unwrap();
+    build_spmd_step(&tiny, &mesh, &Plan::llama(&mesh), &OptimConfig::default())
+        .unwrap()
+        .step
+        .graph
+}
+
+// With every wait right after its start (no passes) the whole link time is exposed; `prefetch`
+// moves starts earlier and the compute lane waits less, never more. A slow link makes the step
+// longer by what is exposed.
+#[test]
+fn waits_expose_what_compute_does_not_hide() {
+    let g = tiny_on("dp_shard=2");
+    let hw = round_gpu();
+    let slow = Links::Every(LinkSpec {
+        gbps: 0.001,
+        latency_us: 100.0,
+    });
+    let plain = simulate(&lower_for(&g, &none(), &hw).unwrap(), &hw, slow, 1).unwrap();
+    assert!(plain.collectives > 0);
+    assert!(
+        plain.exposed_comm_s > 0.9 * plain.comm_s,
+        "{} of {}",
+        plain.exposed_comm_s,
+        plain.comm_s
+    );
+    let overlapped = simulate(
+        &lower_for(&g, &pipeline("prefetch=nodes:32"), &hw).unwrap(),
+        &hw,
+        slow,
+        1,
+    )
+    .unwrap();
+    assert!(
+        overlapped.exposed_comm_s < plain.exposed_comm_s,
+        "prefetch hid nothing: {} vs {}",
+        overlapped.exposed_comm_s,
+        plain.exposed_comm_s
+    );
+    let fast = Links::Every(LinkSpec {
+        gbps: 1000.0,
+        latency_us: 0.0,
+    });
+    let quick = simulate(&lower_for(&g, &none(), &hw).unwrap(), &hw, fast, 1).unwrap();
+    assert!(plain.step_s - quick.step_s > 0.9 * (plain.exposed_comm_s - quick.exposed_comm_s));
+}
+
+// Groups inside a node use the intra-node link, groups across nodes the inter-node one; a mesh
+// larger than the nodes hold is refused.
+#[test]
+fn the_cluster_shape_picks_links_and_refuses_what_does_not_fit() {
+    let hw = round_gpu(); // 2 devices per node
+    let g = tiny_on("dp_shard=2,tp=2");
+    let program = lower_for(&g, &none(), &hw).unwrap();
+    let e = simulate(&program, &hw, Links::Hardware, 1).unwrap_err();
+    assert!(e.contains("4 ranks") && e.contains("--nodes 2"), "{e}");
+    // tp (the last dimension) stays inside a node, dp_shard crosses nodes: slower than the
+    // same mesh with every group inside a node.
+    let across = simulate(&program, &hw, Links::Hardware, 2).unwrap();
+    let inside = simulate(&program, &hw, Links::Every(hw.intra_node), 2).unwrap();
+    assert!(across.comm_s > inside.comm_s, "{across:?} vs {inside:?}");
+}
+
+#[test]
+fn offload_costs_the_host_link_on_a_gpu() {
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let g =
+        graphtrain::trainer::build_step(&tiny, graphtrain_ir::DType::F32, &OptimConfig::default())
+            .unwrap()
+            .step
+            .graph;
+    let hw = round_gpu();
+    let plain = simulate(
+        &lower_for(&g, &none(), &hw).unwrap(),
+        &hw,
+        Links::Hardware,
+        1,
+    )
+    .unwrap();
+    let program = lower_for(&g, &pipeline("offload=min_bytes:1024"), &hw).unwrap();
+    let off = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    assert!(off.host_bytes > 0 && off.arena_bytes < plain.arena_bytes);
+    let host = off.by_kind.iter().find(|(k, _)| k == "host").unwrap().1;
+    assert!(host > 0.0 && off.step_s > plain.step_s);
+}
