@@ -434,3 +434,63 @@ fn a_fake_rank_zero_runs_one_ranks_program_alone() {
         .numel();
     assert_eq!(wq.ty.numel() * 4, whole);
 }
+
+/// Mixed precision on every mesh: the bf16 matmuls' gradients, partial over the ranks, pass
+/// through the casts (widened exactly, or rounded per rank where the gradient of a bf16 output is
+/// narrowed under tensor parallelism), gathers move bf16 and sums over ranks round once. The
+/// run follows one device's mixed-precision run within bf16's rounding and repeats bitwise.
+/// Measured (2026-12-05): losses and gradient norms within 2.7e-4 of one device's, parameters
+/// within 5.6e-3 relative norm after 5 AdamW steps (a bf16 rounding that flips is a whole
+/// normalized step for AdamW).
+#[test]
+fn mixed_precision_runs_on_every_mesh_near_one_device() {
+    let run = |mesh: Option<&str>| {
+        let run = mesh.map(|m| {
+            let mesh = Mesh::parse(m).unwrap();
+            MeshRun {
+                plan: Plan::llama(&mesh),
+                mesh,
+                threads_per_rank: 1,
+                launch: Launch::Threads,
+                links: Vec::new(),
+            }
+        });
+        let none = Pipeline::new(Vec::new());
+        let mut t = Trainer::build_on(
+            &tiny(),
+            TrainConfig {
+                data: DataMode::Fixed.into(),
+                seed: 0,
+                lr: 1e-3,
+                optim: OptimConfig::default(),
+            },
+            Backend::Cpu,
+            &CompileOptions {
+                precision: graphtrain_ir::autocast::Precision::Bf16Mixed,
+                ..CompileOptions::new(&none, Mode::Fused)
+            },
+            run.as_ref(),
+        )
+        .unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
+        let losses: Vec<f64> = (0..STEPS)
+            .flat_map(|_| {
+                let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
+                [m.loss, m.grad_norm]
+            })
+            .collect();
+        (losses, t.parameters().unwrap().into_iter().collect::<BTreeMap<_, _>>())
+    };
+    let single = run(None);
+    for mesh in ["dp_shard=2", "tp=2", "dp_shard=2,tp=2"] {
+        let got = run(Some(mesh));
+        for (k, (g, w)) in got.0.iter().zip(&single.0).enumerate() {
+            let rel = (g - w).abs() / w.abs();
+            assert!(rel <= 1e-3, "{mesh}: value {k}: {g} vs one device {w} ({rel:.2e})");
+        }
+        for (name, want) in &single.1 {
+            let rel = rel_norm(&got.1[name], want);
+            assert!(rel <= 1e-2, "{mesh}: {name} is {rel:.2e} from one device's");
+        }
+        assert_bitwise(&format!("{mesh} bf16-mixed run again"), &run(Some(mesh)), &got);
+    }
+}

@@ -21,7 +21,7 @@
 use crate::graph::Graph;
 use crate::mesh::{Mesh, Placement, Placements, Reduce};
 use crate::op::{BinaryOp, Collective, Op, UnaryOp};
-use crate::TensorType;
+use crate::{DType, TensorType};
 
 use Placement::{Partial, Replicate, Shard};
 
@@ -168,6 +168,11 @@ fn same_not_partial(ps: &[Placement]) -> Rule {
     }
 }
 
+/// A cast between float types.
+fn float_cast(from: DType, to: DType) -> bool {
+    from.is_float() && to.is_float()
+}
+
 /// A shard of `d` survives an op that works independently along dims `free`.
 fn keep_shard_on(p: Placement, free: &[usize], what: &str) -> Result<Placement, String> {
     match p {
@@ -211,6 +216,13 @@ fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&Tenso
         Op::Unary(UnaryOp::Neg) | Op::MulScalar { .. } | Op::Offload | Op::Reload | Op::Wait => {
             one(p[0])
         }
+        // Float to float casts let partial values through. Widening is exact on every element:
+        // the widened partials sum to the widened sum, computed in the wider type (mixed
+        // precision's bf16 weight gradients, partial over the data-parallel ranks, are reduced
+        // in f32, as FSDP's are). Narrowing rounds each partial instead of their sum: the
+        // gradient of a bf16 matmul's output under tensor parallelism is summed in bf16, as
+        // Megatron's is, and differs from one device's by that rounding.
+        Op::Cast { dtype } if float_cast(types[0].dtype, *dtype) => one(p[0]),
         Op::Unary(_) | Op::AddScalar { .. } | Op::PowScalar { .. } | Op::Cast { .. } => {
             same_not_partial(p)
         }

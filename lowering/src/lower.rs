@@ -209,10 +209,13 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
             if d == DType::BF16 {
                 // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls) or only
                 // moves bf16 values (layout ops) may produce it.
+                // Collectives move bf16 as they are, and round a sum once (the communicators).
                 let holds_bf16 = crate::eager::elementwise_expr(g, k).is_some()
                     || matches!(
                         n.op,
                         Op::Matmul
+                            | Op::CollectiveStart { .. }
+                            | Op::Wait
                             | Op::Offload
                             | Op::Reload
                             | Op::Reshape { .. }
@@ -227,7 +230,7 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
                     g,
                     k,
                     format!(
-                        "{} produces bf16: the compiled backends compute bf16 in elementwise ops, matmuls and layout ops only (bf16-mixed keeps the rest in f32)",
+                        "{} produces bf16: the compiled backends compute bf16 in elementwise ops, matmuls, layout ops and collectives only (bf16-mixed keeps the rest in f32)",
                         n.op.name()
                     ),
                 ));

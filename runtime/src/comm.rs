@@ -59,6 +59,8 @@ pub struct CollectiveCall {
     /// Where this rank's result goes: `dst_len` contiguous f32.
     pub dst: *mut f32,
     pub dst_len: usize,
+    /// The result is bf16 (held in f32): a sum is rounded to it once every member is in.
+    pub round_bf16: bool,
 }
 
 impl CollectiveCall {
@@ -91,6 +93,7 @@ impl CollectiveCall {
             src_shape: g.ty(src.0).shape.clone(),
             dst: handle.1,
             dst_len: g.ty(handle.0).numel(),
+            round_bf16: g.ty(handle.0).dtype == graphtrain_ir::DType::BF16,
         })
     }
 }
@@ -668,6 +671,12 @@ pub(crate) unsafe fn combine(call: &CollectiveCall, operands: &[*const f32]) {
         }
         Collective::Broadcast { root } => dst.copy_from_slice(&members[root][..call.dst_len]),
     }
+    // Sums in f32, then one rounding to the bf16 result (moved values are bf16 already).
+    if call.round_bf16 {
+        for d in dst.iter_mut() {
+            *d = graphtrain_ir::host_tensor::round_bf16(*d);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -694,6 +703,7 @@ mod tests {
             src_shape: vec![src.len()],
             dst,
             dst_len,
+            round_bf16: false,
         }
     }
 
