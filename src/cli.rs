@@ -448,6 +448,10 @@ pub struct SimArgs {
     /// file.
     #[arg(long)]
     pub write_hardware: Option<PathBuf>,
+    /// Write the simulated step as a Chrome trace (compute and communication lanes), the
+    /// format `run --trace-out` records, so a prediction and a run open side by side.
+    #[arg(long)]
+    pub trace_out: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -1707,6 +1711,10 @@ fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
         p.comm_s * 1e3,
         p.exposed_comm_s * 1e3
     );
+    if let Some(path) = &a.trace_out {
+        crate::timeline::write_chrome_trace(path, &p.timeline, 0, 1)?;
+        say!("     timeline: {}", path.display());
+    }
     let fits = (p.arena_bytes as f64) <= hw.memory_gib * (1u64 << 30) as f64;
     say!(
         "     memory: arena {:.2} MiB{} ({} the {:.0} GiB of a device){}",

@@ -478,19 +478,32 @@ fn mixed_precision_runs_on_every_mesh_near_one_device() {
                 [m.loss, m.grad_norm]
             })
             .collect();
-        (losses, t.parameters().unwrap().into_iter().collect::<BTreeMap<_, _>>())
+        (
+            losses,
+            t.parameters()
+                .unwrap()
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+        )
     };
     let single = run(None);
     for mesh in ["dp_shard=2", "tp=2", "dp_shard=2,tp=2"] {
         let got = run(Some(mesh));
         for (k, (g, w)) in got.0.iter().zip(&single.0).enumerate() {
             let rel = (g - w).abs() / w.abs();
-            assert!(rel <= 1e-3, "{mesh}: value {k}: {g} vs one device {w} ({rel:.2e})");
+            assert!(
+                rel <= 1e-3,
+                "{mesh}: value {k}: {g} vs one device {w} ({rel:.2e})"
+            );
         }
         for (name, want) in &single.1 {
             let rel = rel_norm(&got.1[name], want);
             assert!(rel <= 1e-2, "{mesh}: {name} is {rel:.2e} from one device's");
         }
-        assert_bitwise(&format!("{mesh} bf16-mixed run again"), &run(Some(mesh)), &got);
+        assert_bitwise(
+            &format!("{mesh} bf16-mixed run again"),
+            &run(Some(mesh)),
+            &got,
+        );
     }
 }

@@ -172,3 +172,37 @@ fn offload_costs_the_host_link_on_a_gpu() {
     let host = off.by_kind.iter().find(|(k, _)| k == "host").unwrap().1;
     assert!(host > 0.0 && off.step_s > plain.step_s);
 }
+
+// The simulated run is a timeline like a recorded one: compute events one after another,
+// one communication event per collective, all inside the step; written as a Chrome trace it
+// reads back with both lanes.
+#[test]
+fn the_simulated_step_is_a_timeline_and_a_chrome_trace() {
+    use graphtrain_runtime::timeline::{COMMUNICATION, KERNELS};
+    let g = tiny_on("dp_shard=2");
+    let hw = round_gpu();
+    let program = lower_for(&g, &pipeline("prefetch=nodes:32"), &hw).unwrap();
+    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let lane = |l: u32| {
+        p.timeline
+            .events
+            .iter()
+            .filter(move |e| e.lane == l)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(lane(COMMUNICATION).len(), p.collectives);
+    let compute = lane(KERNELS);
+    assert!(!compute.is_empty());
+    for w in compute.windows(2) {
+        assert!(w[0].start + w[0].duration <= w[1].start + std::time::Duration::from_nanos(1));
+    }
+    for e in &p.timeline.events {
+        assert!(e.start + e.duration <= p.timeline.total + std::time::Duration::from_nanos(1));
+    }
+    let path = std::env::temp_dir().join(format!("graphtrain-sim-{}.json", std::process::id()));
+    graphtrain::timeline::write_chrome_trace(&path, &p.timeline, 0, 1).unwrap();
+    let back = graphtrain::timeline::read_trace(&path).unwrap();
+    assert_eq!(back.events.len(), p.timeline.events.len());
+    assert_eq!(back.lanes(), vec![KERNELS as u64, COMMUNICATION as u64]);
+    std::fs::remove_file(path).ok();
+}

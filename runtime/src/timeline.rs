@@ -68,6 +68,39 @@ pub struct Timeline {
     pub total: Duration,
 }
 
+impl Timeline {
+    /// The timeline of `program`'s steps as `(step, lane, start, duration)`, each named by the
+    /// node producing what it writes: what a recorded run gives, and what a simulator writes.
+    pub fn of_steps(
+        program: &Program,
+        steps: Vec<(usize, u32, Duration, Duration)>,
+        total: Duration,
+    ) -> Timeline {
+        let g = &program.graph;
+        let producers = g.producers();
+        let events = steps
+            .into_iter()
+            .map(|(step, lane, start, duration)| {
+                let s = &program.steps[step];
+                let node = producers.get(s.writes().index()).copied().flatten();
+                let n = node.map(|n| &g.nodes[n]);
+                TimelineEvent {
+                    step,
+                    kind: s.kind(),
+                    node,
+                    op: n.map_or(s.kind().to_string(), |n| n.op.name().to_string()),
+                    module: n.map(|n| n.meta.module.clone()).unwrap_or_default(),
+                    phase: n.map(|n| n.meta.phase),
+                    lane,
+                    start,
+                    duration,
+                }
+            })
+            .collect();
+        Timeline { events, total }
+    }
+}
+
 /// Records a run step by step; the executor holds one only while recording is on.
 #[derive(Debug, Default)]
 pub(crate) struct Recorder {
@@ -128,32 +161,8 @@ impl Recorder {
         let Some(origin) = self.origin.take() else {
             return;
         };
-        let g = &program.graph;
-        let producers = g.producers();
-        let events = self
-            .raw
-            .drain(..)
-            .map(|(step, lane, start, duration)| {
-                let s = &program.steps[step];
-                let node = producers.get(s.writes().index()).copied().flatten();
-                let n = node.map(|n| &g.nodes[n]);
-                TimelineEvent {
-                    step,
-                    kind: s.kind(),
-                    node,
-                    op: n.map_or(s.kind().to_string(), |n| n.op.name().to_string()),
-                    module: n.map(|n| n.meta.module.clone()).unwrap_or_default(),
-                    phase: n.map(|n| n.meta.phase),
-                    lane,
-                    start,
-                    duration,
-                }
-            })
-            .collect();
-        self.last = Some(Timeline {
-            events,
-            total: origin.elapsed(),
-        });
+        let raw = std::mem::take(&mut self.raw);
+        self.last = Some(Timeline::of_steps(program, raw, origin.elapsed()));
     }
 
     pub(crate) fn take(&mut self) -> Option<Timeline> {

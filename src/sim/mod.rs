@@ -23,7 +23,8 @@
 //!
 //! What it does not model yet: contention between the communication lane and compute for
 //! memory bandwidth, NCCL's tree algorithms (rings only), pipeline parallelism, the host's own
-//! work between steps, and a Chrome trace of the simulated timeline.
+//! work between steps. The simulated run is a `Timeline`, written by `sim --trace-out` as the
+//! same Chrome trace a recorded run gives (`run --trace-out`), so the two open side by side.
 
 pub mod calibrate;
 pub mod hardware;
@@ -34,9 +35,11 @@ use graphtrain_ir::{Collective, DType, Graph, Mesh, ValueId};
 use graphtrain_lowering::program::Access;
 use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program, Step};
 use graphtrain_passes::Pipeline;
+use graphtrain_runtime::timeline::{COMMUNICATION, KERNELS};
 use graphtrain_runtime::{legalize, Backend};
 use hardware::{Hardware, Kind};
 use std::collections::HashMap;
+use std::time::Duration;
 
 /// The Program `graph` runs as on `hw`, through `pipeline`: what `runtime::compile` lowers
 /// (legalized, fused, default limits), with offloading kept on a GPU (which has host memory to
@@ -60,7 +63,7 @@ pub fn lower_for(graph: &Graph, pipeline: &Pipeline, hw: &Hardware) -> Result<Pr
 }
 
 /// Where the simulator says a rank's step time goes.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Prediction {
     /// One rank's step, seconds.
     pub step_s: f64,
@@ -76,6 +79,9 @@ pub struct Prediction {
     /// The arena (device memory for tensors) and the host memory holding offloaded values.
     pub arena_bytes: usize,
     pub host_bytes: usize,
+    /// The simulated run as a timeline: compute steps on lane `KERNELS`, collectives on
+    /// `COMMUNICATION` (what `run --trace-out` records), for `sim --trace-out`.
+    pub timeline: graphtrain_runtime::Timeline,
 }
 
 impl Prediction {
@@ -135,11 +141,21 @@ or a smaller mesh",
         steps: program.steps.len(),
         arena_bytes: program.plan.arena_bytes,
         host_bytes: program.host_bytes(),
-        ..Prediction::default()
+        step_s: 0.0,
+        by_kind: Vec::new(),
+        exposed_comm_s: 0.0,
+        comm_s: 0.0,
+        collectives: 0,
+        timeline: graphtrain_runtime::Timeline {
+            events: Vec::new(),
+            total: Duration::ZERO,
+        },
     };
     let (mut compute, mut comm_free) = (0.0f64, 0.0f64);
     let mut ends: HashMap<ValueId, f64> = HashMap::new();
-    for step in &program.steps {
+    let mut events: Vec<(usize, u32, Duration, Duration)> = Vec::new();
+    let at = Duration::from_secs_f64;
+    for (i, step) in program.steps.iter().enumerate() {
         let (kind, seconds) = match step {
             Step::Matmul {
                 out,
@@ -198,6 +214,7 @@ or a smaller mesh",
                 let sent = ring_bytes(collective, group.len(), bytes(*src), bytes(*handle));
                 let begin = compute.max(comm_free);
                 comm_free = begin + link.seconds(sent);
+                events.push((i, COMMUNICATION, at(begin), at(link.seconds(sent))));
                 p.comm_s += link.seconds(sent);
                 p.collectives += 1;
                 ends.insert(*handle, comm_free);
@@ -207,6 +224,7 @@ or a smaller mesh",
                 let end = ends.get(handle).copied().unwrap_or(compute);
                 let blocked = (end - compute).max(0.0);
                 p.exposed_comm_s += blocked;
+                events.push((i, KERNELS, at(compute), at(blocked)));
                 compute += blocked;
                 continue;
             }
@@ -221,10 +239,14 @@ or a smaller mesh",
         };
         p.add(kind, seconds);
         p.add("launch", launch);
+        if !matches!(step, Step::CollectiveStart { .. }) {
+            events.push((i, KERNELS, at(compute), at(seconds + launch)));
+        }
         compute += seconds + launch;
     }
     // The step ends when both lanes are done (a collective nobody waits for still runs).
     p.step_s = compute.max(comm_free);
+    p.timeline = graphtrain_runtime::Timeline::of_steps(program, events, at(p.step_s));
     Ok(p)
 }
 
