@@ -1916,13 +1916,12 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         let not_yet = [
             ("--init-out", a.init_out.is_some()),
             ("--dump-batches", a.dump_batches.is_some()),
-            ("--trace-out", a.trace.trace_out.is_some()),
             ("--val-every", a.eval.val_every.is_some()),
             ("--sample-tokens", a.eval.sample_tokens > 0),
         ];
         if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
             return Err(format!(
-                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume and --metrics are)"
+                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume, --metrics and --trace-out are)"
             ));
         }
     }
@@ -2274,13 +2273,6 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         mesh,
         ..
     } = a.train.setup(registry)?;
-    if a.trace_out.is_some()
-        && mesh
-            .as_ref()
-            .is_some_and(|m| m.launch == crate::trainer::Launch::Mpi)
-    {
-        return Err("--trace-out is not supported with --launcher mpi yet".into());
-    }
     if a.trace_out.is_some() && !trainer.record_timeline(false) {
         return Err(format!(
             "--trace-out: backend `{}` records no timeline (the interpreter runs graph nodes, not Program steps); use a compiled backend such as cpu",
@@ -2414,7 +2406,8 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
         if timelines.is_empty() {
             return Err(format!("--trace-out: step {} recorded no timeline", m.step));
         }
-        let files = crate::timeline::write_rank_traces(path, &timelines, m.step)?;
+        let files =
+            crate::timeline::write_rank_traces(path, &timelines, m.step, trainer.timeline_ranks())?;
         let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
         say!(
             "wrote the timeline of step {} (one more after the measured ones, each of its {} Program steps waited for{}) to {}",

@@ -140,7 +140,7 @@ impl StepReport {
             if timelines.is_empty() {
                 return Err(format!("--trace-out: step {} recorded no timeline", m.step));
             }
-            let files = write_rank_traces(&t.path, &timelines, m.step)?;
+            let files = write_rank_traces(&t.path, &timelines, m.step, trainer.timeline_ranks())?;
             let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
             self.say(&format!(
                 "wrote the timeline of step {} ({} Program steps{}) to {}",

@@ -29,18 +29,20 @@ pub fn trace_path(base: &Path, rank: u32, world: u32) -> PathBuf {
     base.with_extension(format!("rank{rank}.json"))
 }
 
-/// Writes each rank's timeline of step `step` (`timelines[r]` is rank r's) to its file for
-/// `base` (`trace_path`), and returns the files.
+/// Writes each rank's timeline of step `step` to its file for `base` (`trace_path`), and
+/// returns the files: `timelines[i]` is rank `first + i`'s of a run of `world` ranks (an MPI
+/// process writes its own rank's alone).
 pub fn write_rank_traces(
     base: &Path,
     timelines: &[Timeline],
     step: u64,
+    (first, world): (u32, u32),
 ) -> Result<Vec<PathBuf>, String> {
-    let world = timelines.len() as u32;
     let mut written = Vec::with_capacity(timelines.len());
-    for (rank, timeline) in timelines.iter().enumerate() {
-        let path = trace_path(base, rank as u32, world);
-        write_chrome_trace(&path, timeline, rank as u32, step)?;
+    for (i, timeline) in timelines.iter().enumerate() {
+        let rank = first + i as u32;
+        let path = trace_path(base, rank, world);
+        write_chrome_trace(&path, timeline, rank, step)?;
         written.push(path);
     }
     Ok(written)

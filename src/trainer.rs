@@ -668,6 +668,15 @@ values, {} as the trainer's f64 host copies, and {} is available",
     }
 
     /// The timeline of the last recorded step, once: one per rank, in rank order.
+    /// The ranks `take_timelines` returns timelines of, as (first rank, ranks in the run): every
+    /// rank from 0 in one process, or this process's own rank of an MPI job.
+    pub fn timeline_ranks(&self) -> (u32, u32) {
+        match self.ranks {
+            Ranks::Mpi { rank } => (rank as u32, self.exec.communicator().world_size() as u32),
+            _ => (0, self.exec.communicator().world_size() as u32),
+        }
+    }
+
     pub fn take_timelines(&mut self) -> Vec<Timeline> {
         self.exec.take_rank_timelines()
     }

@@ -550,3 +550,34 @@ fn a_four_rank_checkpoint_resumes_on_one_rank_and_on_dp_shard_4() {
         );
     }
 }
+
+/// `--trace-out` under MPI: each process writes its own rank's timeline to the file a threads
+/// run gives that rank (`FILE.rankN.json`), with the same Program steps.
+#[test]
+fn each_mpi_rank_writes_its_own_timeline() {
+    let _job = one_job();
+    let dir = scratch("mpi-trace");
+    let base = dir.join("t.json");
+    let mut args = train_args("2", "dp_shard=2");
+    args.extend(["--trace-out", base.to_str().unwrap()]);
+    let mpi = output({
+        let mut c = mpirun(2);
+        c.arg(BIN).args(&args).args(["--launcher", "mpi"]);
+        c
+    });
+    assert!(mpi.status.success(), "{}", text(&mpi.stderr));
+    let mut events = Vec::new();
+    for rank in 0..2 {
+        let path = dir.join(format!("t.rank{rank}.json"));
+        let trace = graphtrain::timeline::read_trace(&path)
+            .unwrap_or_else(|e| panic!("rank {rank}'s timeline: {e}"));
+        assert!(!trace.events.is_empty(), "rank {rank}: no events");
+        assert!(
+            trace.events.iter().all(|e| e.pid == rank as u64),
+            "rank {rank}'s file holds another rank's events"
+        );
+        events.push(trace.events.len());
+    }
+    assert!(!base.exists(), "an MPI rank wrote the one-rank file name");
+    assert_eq!(events[0], events[1], "the ranks run the same Program");
+}
