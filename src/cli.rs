@@ -1103,9 +1103,12 @@ pub struct SearchArgs {
     /// Time every candidate, even those predicted to do more arithmetic in no fewer nodes.
     #[arg(long)]
     pub no_prefilter: bool,
-    /// What is measured: `measured` (training steps on this machine) or `synthetic:SEED` (a
-    /// seeded model of pass effects with a known optimum, for testing the search and comparing
-    /// proposers; `synthetic:SEED:DELAY_MS` makes each timed pair take DELAY_MS).
+    /// What is measured: `measured` (training steps on this machine), `sim:HARDWARE` (steps
+    /// predicted by `graphtrain sim` on `h100-sxm`, `h200`, `a100-sxm`, a hardware RON file or
+    /// `this-cpu`, with as many nodes as the mesh needs; the numerics gate then runs on `tiny`)
+    /// or `synthetic:SEED` (a seeded model of pass effects with a known optimum, for testing the
+    /// search and comparing proposers; `synthetic:SEED:DELAY_MS` makes each timed pair take
+    /// DELAY_MS).
     #[arg(long, default_value = "measured")]
     pub objective: String,
     /// Seed of every random choice (with the experiment's number).
@@ -1203,6 +1206,7 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
                 std::time::Duration::from_secs_f64(a.worker_timeout),
                 a.log.join("worker.log"),
             )),
+            sim if sim.starts_with("sim:") => Box::new(sim_objective(&a, registry)?),
             other => Box::new(synthetic_objective(other, &space)?),
         };
     let mut journal = Journal::open(&a.log)?;
@@ -1354,6 +1358,52 @@ fn search_worker(a: SearchArgs, registry: &Registry) -> Result<(), String> {
     let mut measured =
         crate::search::Measured::new(&a.train, registry, cfg, mesh, &optim, a.numerics_steps, 2)?;
     crate::search::serve(&mut measured)
+}
+
+/// `sim:HARDWARE`: the simulator as the search's objective, on the model's step (on the
+/// search's mesh) with as many nodes as the mesh needs.
+fn sim_objective<'r>(
+    a: &SearchArgs,
+    registry: &'r Registry,
+) -> Result<crate::sim::objective::Simulated<'r>, String> {
+    let name = a.objective.trim_start_matches("sim:");
+    if a.train.mesh.link.is_some() {
+        return Err(
+            "--link emulates a link for measured runs; --objective sim uses the hardware's links"
+                .into(),
+        );
+    }
+    let hardware = if name == "this-cpu" {
+        crate::sim::calibrate::this_cpu()?.hardware
+    } else {
+        crate::sim::hardware::Hardware::load(name)?
+    };
+    let model = model_config(&a.train.model)?;
+    let optim = a.train.optim.config()?;
+    let precision = a.train.precision()?;
+    let run = a.train.mesh.mesh_run()?;
+    let traced = match &run {
+        Some(run) => {
+            crate::trainer::build_spmd_step_in(&model, &run.mesh, &run.plan, &optim, precision)
+        }
+        None => crate::trainer::build_step_in(&model, precision, &optim),
+    }
+    .map_err(|e| e.to_string())?;
+    let world = run.as_ref().map_or(1, |r| r.mesh.world_size());
+    let nodes = world.div_ceil(hardware.gpus_per_node).max(1);
+    let objective = crate::sim::objective::Simulated::new(
+        registry,
+        hardware,
+        crate::sim::Links::Hardware,
+        nodes,
+        traced.step.graph,
+        precision,
+    )?;
+    say!(
+        "objective: steps simulated on {name} ({nodes} node(s)); numerics checked on {}",
+        objective.gate_description()
+    );
+    Ok(objective)
 }
 
 /// `synthetic:SEED[:DELAY_MS]`: the seeded synthetic objective over `space`.

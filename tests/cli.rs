@@ -1413,3 +1413,51 @@ fn sim_predicts_on_builtin_hardware_and_refuses_what_does_not_fit() {
     ]);
     assert_clean_error(&o, &["bad-hw.ron", "memory_gbps"]);
 }
+
+/// `search --objective sim:HARDWARE`: the loop searches passes for a machine it does not have,
+/// each candidate's pairs simulated, its numerics gated on `tiny` on the search's mesh; a
+/// `--link` (measured runs' emulation) is refused with it.
+#[test]
+fn search_with_the_simulator_as_objective() {
+    let log = scratch_dir("sim-search");
+    let o = graphtrain(&[
+        "search",
+        "--config",
+        "tiny",
+        "--mesh",
+        "dp_shard=2",
+        "--passes",
+        "none",
+        "--objective",
+        "sim:h100-sxm",
+        "--experiments",
+        "6",
+        "--log",
+        log.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("objective: steps simulated on h100-sxm (1 node(s)); numerics checked on tiny on dp_shard=2"),
+        "{out}"
+    );
+    let results = std::fs::read_to_string(log.join("results.tsv")).unwrap();
+    assert!(results.lines().count() >= 6, "{results}");
+    assert!(log.join("best.ron").exists());
+    let o = graphtrain(&[
+        "search",
+        "--config",
+        "tiny",
+        "--mesh",
+        "dp_shard=2",
+        "--link",
+        "dp_shard=1:20",
+        "--objective",
+        "sim:h200",
+        "--experiments",
+        "1",
+        "--log",
+        log.join("x").to_str().unwrap(),
+    ]);
+    assert_clean_error(&o, &["--objective sim uses the hardware's links"]);
+}

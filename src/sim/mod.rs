@@ -28,6 +28,7 @@
 
 pub mod calibrate;
 pub mod hardware;
+pub mod objective;
 
 pub use hardware::LinkSpec;
 
