@@ -1966,12 +1966,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         let not_yet = [
             ("--init-out", a.init_out.is_some()),
             ("--dump-batches", a.dump_batches.is_some()),
-            ("--val-every", a.eval.val_every.is_some()),
-            ("--sample-tokens", a.eval.sample_tokens > 0),
         ];
         if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
             return Err(format!(
-                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume, --metrics and --trace-out are)"
+                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume, --metrics, --trace-out, --val-every and --sample-tokens are)"
             ));
         }
     }

@@ -262,13 +262,16 @@ pub fn sample(logits: &[f64], s: &Sampling, draw: u64) -> Result<usize, TrainErr
 }
 
 /// Continues `prompt` by `new_tokens` tokens with `forward` (a logits graph of one row, with
-/// parameters loaded). The context is the last `seq` tokens; shorter contexts are padded on the
-/// right, which causal attention never lets the real positions see.
+/// parameters loaded), drawn among ids below `allowed` (a tokenizer smaller than the model's
+/// vocabulary cannot decode the rest, whose embedding rows never trained; `None`: every id).
+/// The context is the last `seq` tokens; shorter contexts are padded on the right, which causal
+/// attention never lets the real positions see.
 pub fn generate(
     forward: &mut Forward,
     prompt: &[i64],
     new_tokens: usize,
     sampling: &Sampling,
+    allowed: Option<usize>,
 ) -> Result<Vec<i64>, TrainError> {
     let (rows, seq) = forward.shape();
     if rows != 1 {
@@ -287,9 +290,10 @@ pub fn generate(
         row.resize(seq, 0);
         let logits = forward.run_logits(&row)?;
         let vocab = logits.ty.shape[2];
+        let drawn = allowed.map_or(vocab, |a| a.clamp(1, vocab));
         let last = context.len() - 1;
         let next = sample(
-            &logits.data[last * vocab..(last + 1) * vocab],
+            &logits.data[last * vocab..last * vocab + drawn],
             sampling,
             draw,
         )?;
@@ -379,7 +383,13 @@ pub fn sample_text(
     }
     let mut forward = Forward::logits(model, 1, model.seq_len, backend, runtime)?;
     load_named(&mut forward, params)?;
-    let out = generate(&mut forward, &ids, new_tokens, sampling)?;
+    let out = generate(
+        &mut forward,
+        &ids,
+        new_tokens,
+        sampling,
+        Some(tokenizer.vocab_size()),
+    )?;
     let out: Vec<u32> = out.into_iter().map(|t| t as u32).collect();
     tokenizer.decode(&out).map_err(err)
 }

@@ -122,12 +122,36 @@ fn greedy_generation_is_the_same_on_cpu_and_on_the_interpreter() {
             Forward::logits(&m, 1, m.seq_len, backend, &RuntimeOptions::default()).unwrap();
         load(&mut forward, &mut t);
         // Longer than one context, so the window slides.
-        let out = generate(&mut forward, &[1, 2, 3], m.seq_len + 4, &greedy).unwrap();
+        let out = generate(&mut forward, &[1, 2, 3], m.seq_len + 4, &greedy, None).unwrap();
         assert_eq!(out.len(), m.seq_len + 4);
         assert!(out.iter().all(|&t| (0..m.vocab_size as i64).contains(&t)));
         outs.push(out);
     }
     assert_eq!(outs[0], outs[1]);
+}
+
+/// A tokenizer smaller than the model's vocabulary: ids it cannot decode are never drawn, even
+/// at a temperature that makes every id likely.
+#[test]
+fn generation_draws_only_ids_the_tokenizer_knows() {
+    let m = tiny();
+    let hot = Sampling {
+        temperature: 50.0,
+        top_k: 0,
+        seed: 7,
+    };
+    let mut t = trainer_on(Backend::Cpu);
+    t.step().unwrap();
+    let mut forward =
+        Forward::logits(&m, 1, m.seq_len, Backend::Cpu, &RuntimeOptions::default()).unwrap();
+    load(&mut forward, &mut t);
+    let out = generate(&mut forward, &[1, 2, 3], 60, &hot, Some(5)).unwrap();
+    assert!(out.iter().all(|&t| (0..5).contains(&t)), "{out:?}");
+    let all = generate(&mut forward, &[1, 2, 3], 60, &hot, None).unwrap();
+    assert!(
+        all.iter().any(|&t| t >= 5),
+        "the hot draw never left 0..5: {all:?}"
+    );
 }
 
 #[test]

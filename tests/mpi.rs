@@ -581,3 +581,83 @@ fn each_mpi_rank_writes_its_own_timeline() {
     assert!(!base.exists(), "an MPI rank wrote the one-rank file name");
     assert_eq!(events[0], events[1], "the ranks run the same Program");
 }
+
+/// Validation and sampling under MPI: every rank gathers the weights (a collective) and runs
+/// the same forward pass; rank 0 prints what the threads launcher prints, digit for digit.
+#[test]
+fn mpi_ranks_validate_and_sample_as_the_threads_engine() {
+    let _job = one_job();
+    let dir = scratch("mpi-text");
+    let corpus = dir.join("corpus.txt");
+    let words = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far",
+    ];
+    let body: Vec<&str> = (0..20_000)
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect();
+    std::fs::write(&corpus, body.join(" ")).unwrap();
+    let shown = output({
+        let mut c = Command::new(BIN);
+        c.args(["config", "show", "tiny"]);
+        c
+    });
+    let config = dir.join("tiny320.ron");
+    std::fs::write(
+        &config,
+        text(&shown.stdout).replace("vocab_size: 64", "vocab_size: 320"),
+    )
+    .unwrap();
+    let cache = dir.join("cache");
+    let args = [
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        corpus.to_str().unwrap(),
+        "--vocab-size",
+        "300",
+        "--data-cache",
+        cache.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--val-every",
+        "1",
+        "--val-batches",
+        "2",
+        "--sample-tokens",
+        "8",
+        "--mesh",
+        "dp_shard=2",
+    ];
+    let printed = |out: &Output| -> Vec<String> {
+        text(&out.stdout)
+            .lines()
+            .skip_while(|l| !l.starts_with("val:"))
+            .filter(|l| l.starts_with("val:") || !l.starts_with("step:"))
+            .map(str::to_string)
+            .collect()
+    };
+    let threads = output({
+        let mut c = Command::new(BIN);
+        c.args(args);
+        c
+    });
+    assert!(threads.status.success(), "{}", text(&threads.stderr));
+    let mpi = output({
+        let mut c = mpirun(2);
+        c.arg(BIN).args(args).args(["--launcher", "mpi"]);
+        c
+    });
+    assert!(mpi.status.success(), "{}", text(&mpi.stderr));
+    let want = printed(&threads);
+    assert_eq!(
+        want.iter().filter(|l| l.starts_with("val:")).count(),
+        2,
+        "{want:?}"
+    );
+    assert!(
+        want.iter().any(|l| l.starts_with("sample (8 tokens")),
+        "{want:?}"
+    );
+    assert_eq!(printed(&mpi), want);
+}
