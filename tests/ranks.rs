@@ -40,17 +40,19 @@ fn trainer_with(mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
 }
 
 fn trainer_on(backend: Backend, mesh: Option<&str>, pipeline: &Pipeline) -> Trainer {
-    let run = mesh.map(|m| {
-        let mesh = Mesh::parse(m).unwrap();
-        MeshRun {
-            plan: Plan::llama(&mesh),
-            mesh,
-            threads_per_rank: 1,
-            launch: Launch::Threads,
-            links: Vec::new(),
-        }
-    });
-    build_on(backend, run.as_ref(), pipeline)
+    build_on(backend, mesh.map(threads_on).as_ref(), pipeline)
+}
+
+/// `mesh` as ranks of one thread each, with the Llama plan.
+fn threads_on(mesh: &str) -> MeshRun {
+    let mesh = Mesh::parse(mesh).unwrap();
+    MeshRun {
+        plan: Plan::llama(&mesh),
+        mesh,
+        threads_per_rank: 1,
+        launch: Launch::Threads,
+        links: Vec::new(),
+    }
 }
 
 /// `tiny` on fixed data, on one device or as `run` says.
@@ -445,16 +447,7 @@ fn a_fake_rank_zero_runs_one_ranks_program_alone() {
 #[test]
 fn mixed_precision_runs_on_every_mesh_near_one_device() {
     let run = |mesh: Option<&str>| {
-        let run = mesh.map(|m| {
-            let mesh = Mesh::parse(m).unwrap();
-            MeshRun {
-                plan: Plan::llama(&mesh),
-                mesh,
-                threads_per_rank: 1,
-                launch: Launch::Threads,
-                links: Vec::new(),
-            }
-        });
+        let run = mesh.map(threads_on);
         let none = Pipeline::new(Vec::new());
         let mut t = Trainer::build_on(
             &tiny(),

@@ -3,10 +3,10 @@
 //! How close it comes to measured steps is a benchmark (docs/benchmarks.md), not a test.
 
 use graphtrain::sim::hardware::Hardware;
-use graphtrain::sim::{lower_for, ring_bytes, simulate, LinkSpec, Links};
+use graphtrain::sim::{lower_for, simulate, LinkSpec, Links};
 use graphtrain::trainer::build_spmd_step;
 use graphtrain_ir::optim::OptimConfig;
-use graphtrain_ir::{text, Collective, Mesh};
+use graphtrain_ir::{text, Mesh};
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::parallelize::Plan;
 use graphtrain_passes::{Pipeline, PipelineSpec, Registry};
@@ -63,26 +63,6 @@ fn a_step_costs_its_launch_plus_its_roofline() {
     assert_eq!(p.steps, 2);
     assert!((p.step_s - want).abs() < 1e-12, "{} vs {want}", p.step_s);
     assert_eq!(p.exposed_comm_s, 0.0);
-}
-
-#[test]
-fn ring_volumes_follow_nccl_rings() {
-    let gather = Collective::AllGather { axis: 0 };
-    assert_eq!(ring_bytes(&gather, 4, 100.0, 400.0), 300.0);
-    let reduce = graphtrain_ir::Reduce::Sum;
-    assert_eq!(
-        ring_bytes(
-            &Collective::ReduceScatter { axis: 0, reduce },
-            4,
-            400.0,
-            100.0
-        ),
-        300.0
-    );
-    assert_eq!(
-        ring_bytes(&Collective::AllReduce { reduce }, 2, 100.0, 100.0),
-        100.0
-    );
 }
 
 fn tiny_on(mesh: &str) -> graphtrain_ir::Graph {

@@ -8,7 +8,8 @@
 //!   the memory bandwidth times the memory efficiency (a roofline per step);
 //! - the communication lane: a collective's start queues it there (it begins when both the
 //!   compute lane has reached the start and the lane is free); it takes the link's latency plus
-//!   what one member sends under NCCL's ring algorithms over the link's bandwidth; a wait
+//!   what one member sends under the ring algorithms (`graphtrain_ir::stats::comm_bytes`, as
+//!   NCCL's rings) over the link's bandwidth; a wait
 //!   blocks the compute lane until its collective ends, and that blocked time is the exposed
 //!   communication.
 //!
@@ -32,7 +33,8 @@ pub mod objective;
 
 pub use hardware::LinkSpec;
 
-use graphtrain_ir::{Collective, DType, Graph, Mesh, ValueId};
+use graphtrain_ir::stats::comm_bytes;
+use graphtrain_ir::{DType, Graph, Mesh, ValueId};
 use graphtrain_lowering::program::Access;
 use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program, Step};
 use graphtrain_passes::Pipeline;
@@ -212,7 +214,7 @@ or a smaller mesh",
                         }
                     }
                 };
-                let sent = ring_bytes(collective, group.len(), bytes(*src), bytes(*handle));
+                let sent = comm_bytes(*collective, group.len(), g.ty(*src).numel() * 4);
                 let begin = compute.max(comm_free);
                 comm_free = begin + link.seconds(sent);
                 events.push((i, COMMUNICATION, at(begin), at(link.seconds(sent))));
@@ -249,18 +251,6 @@ or a smaller mesh",
     p.step_s = compute.max(comm_free);
     p.timeline = graphtrain_runtime::Timeline::of_steps(program, events, at(p.step_s));
     Ok(p)
-}
-
-/// Bytes one member of an `n`-member group sends under a ring algorithm: all-gather and
-/// reduce-scatter (n-1)/n of the larger side, all-reduce twice that, broadcast the tensor.
-pub fn ring_bytes(c: &Collective, n: usize, src_bytes: f64, dst_bytes: f64) -> f64 {
-    let ring = (n as f64 - 1.0) / n as f64;
-    match c {
-        Collective::AllGather { .. } => ring * dst_bytes,
-        Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => ring * src_bytes,
-        Collective::AllReduce { .. } => 2.0 * ring * src_bytes,
-        Collective::Broadcast { .. } => src_bytes,
-    }
 }
 
 fn dims4(shape: &[usize]) -> [usize; 4] {
