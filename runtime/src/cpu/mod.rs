@@ -87,7 +87,7 @@ pub struct CpuExecutor {
     gemm: gemm::GemmKernel,
     comm: Box<dyn Communicator>,
     /// Offloaded values (`Program::host_values`), kept between runs so their memory is reused.
-    /// Compiled for `cpu`, a Program has none (`legalize` removes offloading there: the arena is
+    /// Compiled for `cpu`, a Program has none (`compile` removes offloading there: the arena is
     /// already host memory); one lowered elsewhere runs all the same.
     host: std::collections::HashMap<ValueId, Vec<f32>>,
 }
