@@ -101,7 +101,7 @@ pub fn this_cpu() -> Result<Calibration, String> {
         peak_gflops_f32: peak.gflops,
         peak_gflops_bf16: bf16,
         memory_gbps,
-        memory_gib: 0.0f64.max(host_memory_gib()),
+        memory_gib: host_memory_gib(),
         launch_us: launch_s * 1e6,
         efficiency: Efficiency {
             matmul: (gemm_gflops / peak.gflops).min(1.0),
