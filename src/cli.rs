@@ -1963,14 +1963,11 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
     if a.train.mesh.launcher == Some(Launcher::Mpi) {
-        let not_yet = [
-            ("--init-out", a.init_out.is_some()),
-            ("--dump-batches", a.dump_batches.is_some()),
-        ];
-        if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
-            return Err(format!(
-                "{flag} is not supported with --launcher mpi yet (--checkpoint, --resume, --metrics, --trace-out, --val-every and --sample-tokens are)"
-            ));
+        if a.dump_batches.is_some() {
+            return Err(
+                "--dump-batches is not supported with --launcher mpi yet: each rank reads only its block of a batch (--checkpoint, --resume, --metrics, --trace-out, --val-every, --sample-tokens and --init-out are)"
+                    .into(),
+            );
         }
     }
     if a.train.mesh.launcher == Some(Launcher::Fake) {
@@ -2130,8 +2127,11 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         }
     };
     if let Some(path) = &a.init_out {
+        // Under MPI gathering the weights is a collective: every rank takes part, rank 0 writes.
         let params = trainer.parameters().map_err(|e| e.to_string())?;
-        replay::write_init(path, &params)?;
+        if speaks_for_the_job() {
+            replay::write_init(path, &params)?;
+        }
         say!("initial parameters: {}", path.display());
     }
     let mut dump = match &a.dump_batches {

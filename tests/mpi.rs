@@ -661,3 +661,39 @@ fn mpi_ranks_validate_and_sample_as_the_threads_engine() {
     );
     assert_eq!(printed(&mpi), want);
 }
+
+/// `--init-out` under MPI: the ranks gather the initial weights together and rank 0 writes the
+/// file a threads run writes, byte for byte.
+#[test]
+fn mpi_ranks_write_the_initial_weights_of_the_threads_engine() {
+    let _job = one_job();
+    let dir = scratch("mpi-init");
+    let (threads_file, mpi_file) = (dir.join("threads.safetensors"), dir.join("mpi.safetensors"));
+    let threads = output({
+        let mut c = Command::new(BIN);
+        c.args(train_args("1", "dp_shard=2,tp=2"))
+            .args(["--init-out", threads_file.to_str().unwrap()]);
+        c
+    });
+    assert!(threads.status.success(), "{}", text(&threads.stderr));
+    let mpi = output({
+        let mut c = mpirun(4);
+        c.arg(BIN).args(train_args("1", "dp_shard=2,tp=2")).args([
+            "--init-out",
+            mpi_file.to_str().unwrap(),
+            "--launcher",
+            "mpi",
+        ]);
+        c
+    });
+    assert!(mpi.status.success(), "{}", text(&mpi.stderr));
+    let (a, b) = (
+        std::fs::read(&threads_file).unwrap(),
+        std::fs::read(&mpi_file).unwrap(),
+    );
+    assert!(!a.is_empty());
+    assert!(
+        a == b,
+        "the MPI job's initial weights differ from the threads run's"
+    );
+}
