@@ -1962,13 +1962,11 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
-    if a.train.mesh.launcher == Some(Launcher::Mpi) {
-        if a.dump_batches.is_some() {
-            return Err(
-                "--dump-batches is not supported with --launcher mpi yet: each rank reads only its block of a batch (--checkpoint, --resume, --metrics, --trace-out, --val-every, --sample-tokens and --init-out are)"
-                    .into(),
-            );
-        }
+    if a.train.mesh.launcher == Some(Launcher::Mpi) && a.dump_batches.is_some() {
+        return Err(
+            "--dump-batches is not supported with --launcher mpi yet: each rank reads only its block of a batch (--checkpoint, --resume, --metrics, --trace-out, --val-every, --sample-tokens and --init-out are)"
+                .into(),
+        );
     }
     if a.train.mesh.launcher == Some(Launcher::Fake) {
         let whole = [
