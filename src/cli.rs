@@ -1962,12 +1962,6 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
-    if a.train.mesh.launcher == Some(Launcher::Mpi) && a.dump_batches.is_some() {
-        return Err(
-            "--dump-batches is not supported with --launcher mpi yet: each rank reads only its block of a batch (--checkpoint, --resume, --metrics, --trace-out, --val-every, --sample-tokens and --init-out are)"
-                .into(),
-        );
-    }
     if a.train.mesh.launcher == Some(Launcher::Fake) {
         let whole = [
             ("--checkpoint", a.checkpoint.is_some()),
@@ -2132,7 +2126,8 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         }
         say!("initial parameters: {}", path.display());
     }
-    let mut dump = match &a.dump_batches {
+    // Under MPI rank 0 writes the dump, with every step's whole batch.
+    let mut dump = match a.dump_batches.as_ref().filter(|_| speaks_for_the_job()) {
         Some(path) => Some(BatchDump::create(path, cfg.batch, cfg.seq_len)?),
         None => None,
     };
@@ -2192,8 +2187,10 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             let result = v.run(&mut trainer).map_err(|e| e.to_string())?;
             report.validation(m.step, &result)?;
         }
-        if let (Some(dump), Some(b)) = (&mut dump, trainer.last_batch()) {
-            dump.append(m.step, b)?;
+        if let Some(dump) = &mut dump {
+            if let Some(b) = trainer.last_whole_batch().map_err(|e| e.to_string())? {
+                dump.append(m.step, &b)?;
+            }
         }
         if a.checkpoint_every > 0 && m.step % a.checkpoint_every == 0 {
             save(&mut trainer)?;

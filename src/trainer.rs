@@ -855,6 +855,31 @@ values, {} as the trainer's f64 host copies, and {} is available",
         self.last_batch.as_ref()
     }
 
+    /// The whole batch step `steps_done()` trained on, also where this process read only its
+    /// rank's block of it (MPI): the data is a pure function of seed and step, so the rows it
+    /// did not read are read again here. `None` before the first step.
+    pub fn last_whole_batch(&self) -> Result<Option<Batch>, TrainError> {
+        if let Some(b) = &self.last_batch {
+            return Ok(Some(b.clone()));
+        }
+        if self.steps_done == 0 {
+            return Ok(None);
+        }
+        let m = &self.model;
+        self.cfg
+            .data
+            .rows(
+                self.cfg.seed,
+                self.steps_done - 1,
+                m.batch,
+                0..m.batch,
+                m.seq_len,
+                m.vocab_size,
+            )
+            .map(Some)
+            .map_err(|e| err(format!("step {}: {e}", self.steps_done)))
+    }
+
     /// Refuses what needs whole tensors when rank 0 runs alone.
     fn need_whole_tensors(&self, what: &str) -> Result<(), TrainError> {
         if self.ranks == Ranks::FakeRankZero {

@@ -662,38 +662,50 @@ fn mpi_ranks_validate_and_sample_as_the_threads_engine() {
     assert_eq!(printed(&mpi), want);
 }
 
-/// `--init-out` under MPI: the ranks gather the initial weights together and rank 0 writes the
-/// file a threads run writes, byte for byte.
+/// Replay dumps under MPI: the ranks gather the initial weights together and rank 0 writes
+/// them and every step's whole batch (each rank read only its block), byte for byte the files a
+/// threads run writes.
 #[test]
-fn mpi_ranks_write_the_initial_weights_of_the_threads_engine() {
+fn mpi_ranks_write_the_replay_files_of_the_threads_engine() {
     let _job = one_job();
-    let dir = scratch("mpi-init");
-    let (threads_file, mpi_file) = (dir.join("threads.safetensors"), dir.join("mpi.safetensors"));
-    let threads = output({
-        let mut c = Command::new(BIN);
-        c.args(train_args("1", "dp_shard=2,tp=2"))
-            .args(["--init-out", threads_file.to_str().unwrap()]);
-        c
-    });
-    assert!(threads.status.success(), "{}", text(&threads.stderr));
-    let mpi = output({
-        let mut c = mpirun(4);
-        c.arg(BIN).args(train_args("1", "dp_shard=2,tp=2")).args([
+    let dir = scratch("mpi-replay");
+    let files = |who: &str| {
+        (
+            dir.join(format!("{who}.safetensors")),
+            dir.join(format!("{who}.bin")),
+        )
+    };
+    let run = |who: &str, mpi: bool| {
+        let (init, batches) = files(who);
+        let mut c = if mpi { mpirun(4) } else { Command::new(BIN) };
+        if mpi {
+            c.arg(BIN);
+        }
+        c.args(train_args("3", "dp_shard=2,tp=2")).args([
             "--init-out",
-            mpi_file.to_str().unwrap(),
-            "--launcher",
-            "mpi",
+            init.to_str().unwrap(),
+            "--dump-batches",
+            batches.to_str().unwrap(),
         ]);
-        c
-    });
-    assert!(mpi.status.success(), "{}", text(&mpi.stderr));
-    let (a, b) = (
-        std::fs::read(&threads_file).unwrap(),
-        std::fs::read(&mpi_file).unwrap(),
-    );
-    assert!(!a.is_empty());
-    assert!(
-        a == b,
-        "the MPI job's initial weights differ from the threads run's"
-    );
+        if mpi {
+            c.args(["--launcher", "mpi"]);
+        }
+        let out = output(c);
+        assert!(out.status.success(), "{who}: {}", text(&out.stderr));
+    };
+    run("threads", false);
+    run("mpi", true);
+    for (a, b) in [
+        (files("threads").0, files("mpi").0),
+        (files("threads").1, files("mpi").1),
+    ] {
+        let (a_bytes, b_bytes) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        assert!(!a_bytes.is_empty());
+        assert!(
+            a_bytes == b_bytes,
+            "{} differs from {}",
+            b.display(),
+            a.display()
+        );
+    }
 }
