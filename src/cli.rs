@@ -11,13 +11,13 @@ use crate::eval::{sample_text, Sampling, Validator};
 use crate::metrics::MetricsWriter;
 use crate::replay::{self, BatchDump};
 use crate::step_report::{StepReport, TraceTarget};
-use crate::trainer::{build_step, BuildTimings, TrainConfig, Trainer};
+use crate::trainer::{BuildTimings, TrainConfig, Trainer};
 use crate::tuning::Tuning;
 use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
-use graphtrain_ir::{text, verify, DType, Graph, HostTensor, Phase};
+use graphtrain_ir::{text, verify, Graph, HostTensor, Phase};
 use graphtrain_lowering::{plan_buffers, Mode};
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
@@ -1382,13 +1382,9 @@ fn sim_objective<'r>(
     let optim = a.train.optim.config()?;
     let precision = a.train.precision()?;
     let run = a.train.mesh.mesh_run()?;
-    let traced = match &run {
-        Some(run) => {
-            crate::trainer::build_spmd_step_in(&model, &run.mesh, &run.plan, &optim, precision)
-        }
-        None => crate::trainer::build_step_in(&model, precision, &optim),
-    }
-    .map_err(|e| e.to_string())?;
+    let on_mesh = run.as_ref().map(|run| (&run.mesh, &run.plan));
+    let traced = crate::trainer::build_step_on(&model, on_mesh, &optim, precision)
+        .map_err(|e| e.to_string())?;
     let world = run.as_ref().map_or(1, |r| r.mesh.world_size());
     let nodes = world.div_ceil(hardware.gpus_per_node).max(1);
     let objective = crate::sim::objective::Simulated::new(
@@ -1652,19 +1648,6 @@ fn load_plan(
     }
 }
 
-/// The SPMD train step of `cfg` on `mesh` (text as `--mesh` takes it), parameters placed by the
-/// plan in `plan` (RON) or the built-in one.
-fn spmd_step(
-    cfg: &Llama3Config,
-    mesh: &str,
-    plan: Option<&Path>,
-    optim: &OptimConfig,
-) -> Result<crate::trainer::Traced, String> {
-    let mesh = parse_mesh(mesh)?;
-    let plan = load_plan(plan, &mesh)?;
-    crate::trainer::build_spmd_step(cfg, &mesh, &plan, optim).map_err(|e| e.to_string())
-}
-
 fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
     use crate::sim::{hardware::Hardware, simulate, LinkSpec, Links};
     if a.nodes == 0 {
@@ -1699,27 +1682,17 @@ fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
             })
         }
     };
-    let mut cfg = model_config(&a.model)?;
-    if let Some(batch) = a.batch {
-        if batch == 0 {
-            return Err("--batch must be at least 1".into());
-        }
-        cfg.batch = batch;
-    }
+    let cfg = model_with_batch(&a.model, a.batch)?;
     let optim = a.optim.config()?;
     let precision = Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?;
     let pipeline = a.passes.pipeline(registry, None)?;
-    let traced = match &a.mesh {
-        None => {
-            crate::trainer::build_step_in(&cfg, precision, &optim).map_err(|e| e.to_string())?
-        }
-        Some(mesh) => {
-            let mesh = parse_mesh(mesh)?;
-            let plan = load_plan(a.plan.as_deref(), &mesh)?;
-            crate::trainer::build_spmd_step_in(&cfg, &mesh, &plan, &optim, precision)
-                .map_err(|e| e.to_string())?
-        }
-    };
+    let traced = step_on_mesh(
+        &cfg,
+        a.mesh.as_deref(),
+        a.plan.as_deref(),
+        &optim,
+        precision,
+    )?;
     let program = crate::sim::lower_for(&traced.step.graph, &pipeline, &hw)?;
     let p = simulate(&program, &hw, links, a.nodes)?;
     let g = &program.graph;
@@ -1784,21 +1757,45 @@ fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
     Ok(())
 }
 
-fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
-    let mut cfg = model_config(&a.model)?;
-    if let Some(batch) = a.batch {
+/// The model `--config` names, with `--batch` in place of its batch where given.
+fn model_with_batch(model: &ModelArgs, batch: Option<usize>) -> Result<Llama3Config, String> {
+    let mut cfg = model_config(model)?;
+    if let Some(batch) = batch {
         if batch == 0 {
             return Err("--batch must be at least 1".into());
         }
         cfg.batch = batch;
     }
+    Ok(cfg)
+}
+
+/// The train step of `cfg`: one rank's SPMD step on `mesh` (as `--mesh` takes it, with `--plan`
+/// or the Llama plan) where one is given, else one device's.
+fn step_on_mesh(
+    cfg: &Llama3Config,
+    mesh: Option<&str>,
+    plan: Option<&Path>,
+    optim: &OptimConfig,
+    precision: Precision,
+) -> Result<crate::trainer::Traced, String> {
+    let mesh = mesh.map(parse_mesh).transpose()?;
+    let plan = mesh.as_ref().map(|m| load_plan(plan, m)).transpose()?;
+    crate::trainer::build_step_on(cfg, mesh.as_ref().zip(plan.as_ref()), optim, precision)
+        .map_err(|e| e.to_string())
+}
+
+fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
+    let cfg = model_with_batch(&a.model, a.batch)?;
     let optim = a.optim.config()?;
     let pipeline = a.passes.pipeline(registry, None)?;
     let t0 = Instant::now();
-    let traced = match &a.mesh {
-        None => build_step(&cfg, DType::F32, &optim).map_err(|e| e.to_string())?,
-        Some(mesh) => spmd_step(&cfg, mesh, a.plan.as_deref(), &optim)?,
-    };
+    let traced = step_on_mesh(
+        &cfg,
+        a.mesh.as_deref(),
+        a.plan.as_deref(),
+        &optim,
+        Precision::F32,
+    )?;
     let compiled = compile(
         &traced.step.graph,
         Backend::Reference,

@@ -21,7 +21,7 @@
 use crate::bench;
 use crate::cli::ARENA_ALIGNMENT;
 use crate::cli::{trainer_for, TrainArgs};
-use crate::trainer::{build_spmd_step_in, build_step_in, MeshRun, Trainer};
+use crate::trainer::{build_step_on, MeshRun, Trainer};
 use crate::tuning::{split, Tuning};
 use graphtrain_autoresearch::search::{Failure, Objective, Prediction};
 use graphtrain_ir::autocast::Precision;
@@ -65,11 +65,11 @@ impl<'a> Measured<'a> {
         warmup: u64,
     ) -> Result<Measured<'a>, String> {
         let precision = Precision::parse(&args.precision)?;
-        let traced = match &mesh {
-            Some(run) => build_spmd_step_in(&model, &run.mesh, &run.plan, optim, precision),
-            None => build_step_in(&model, precision, optim),
-        };
-        let step = traced.map_err(|e| e.to_string())?.step.graph;
+        let on_mesh = mesh.as_ref().map(|run| (&run.mesh, &run.plan));
+        let step = build_step_on(&model, on_mesh, optim, precision)
+            .map_err(|e| e.to_string())?
+            .step
+            .graph;
         Ok(Measured {
             args,
             registry,

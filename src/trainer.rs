@@ -269,6 +269,20 @@ pub fn build_spmd_step(
     build_spmd_step_in(model, mesh, plan, optim, Precision::F32)
 }
 
+/// The train step of `model` under `precision`: one rank's SPMD step on `mesh` with `plan`
+/// where one is given, else one device's.
+pub fn build_step_on(
+    model: &Llama3Config,
+    mesh: Option<(&Mesh, &Plan)>,
+    optim: &OptimConfig,
+    precision: Precision,
+) -> Result<Traced, TrainError> {
+    match mesh {
+        Some((mesh, plan)) => build_spmd_step_in(model, mesh, plan, optim, precision),
+        None => build_step_in(model, precision, optim),
+    }
+}
+
 /// `build_spmd_step` under `precision`.
 pub fn build_spmd_step_in(
     model: &Llama3Config,

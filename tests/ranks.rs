@@ -12,6 +12,7 @@
 
 use graphtrain::checkpoint::RunIdentity;
 use graphtrain::data::DataMode;
+use graphtrain::ir::autocast::Precision;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, Mesh};
 use graphtrain::models::Llama3Config;
@@ -61,6 +62,16 @@ fn build(run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
 }
 
 fn build_on(backend: Backend, run: Option<&MeshRun>, pipeline: &Pipeline) -> Trainer {
+    build_in(backend, run, pipeline, Precision::F32)
+}
+
+/// `build_on` with the step computing in `precision`.
+fn build_in(
+    backend: Backend,
+    run: Option<&MeshRun>,
+    pipeline: &Pipeline,
+    precision: Precision,
+) -> Trainer {
     Trainer::build_on(
         &tiny(),
         TrainConfig {
@@ -70,7 +81,10 @@ fn build_on(backend: Backend, run: Option<&MeshRun>, pipeline: &Pipeline) -> Tra
             optim: OptimConfig::default(),
         },
         backend,
-        &CompileOptions::new(pipeline, Mode::Fused),
+        &CompileOptions {
+            precision,
+            ..CompileOptions::new(pipeline, Mode::Fused)
+        },
         run,
     )
     .unwrap_or_else(|e| panic!("building on {:?}: {e}", run.map(|r| r.mesh.to_string())))
@@ -91,7 +105,17 @@ fn train_on(
     mesh: Option<&str>,
     pipeline: &Pipeline,
 ) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
-    let mut t = trainer_on(backend, mesh, pipeline);
+    train_in(backend, mesh, pipeline, Precision::F32)
+}
+
+/// `train_on` with the step computing in `precision`.
+fn train_in(
+    backend: Backend,
+    mesh: Option<&str>,
+    pipeline: &Pipeline,
+    precision: Precision,
+) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
+    let mut t = build_in(backend, mesh.map(threads_on).as_ref(), pipeline, precision);
     let losses = (0..STEPS)
         .flat_map(|_| {
             let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
@@ -446,39 +470,8 @@ fn a_fake_rank_zero_runs_one_ranks_program_alone() {
 /// normalized step for AdamW).
 #[test]
 fn mixed_precision_runs_on_every_mesh_near_one_device() {
-    let run = |mesh: Option<&str>| {
-        let run = mesh.map(threads_on);
-        let none = Pipeline::new(Vec::new());
-        let mut t = Trainer::build_on(
-            &tiny(),
-            TrainConfig {
-                data: DataMode::Fixed.into(),
-                seed: 0,
-                lr: 1e-3,
-                optim: OptimConfig::default(),
-            },
-            Backend::Cpu,
-            &CompileOptions {
-                precision: graphtrain_ir::autocast::Precision::Bf16Mixed,
-                ..CompileOptions::new(&none, Mode::Fused)
-            },
-            run.as_ref(),
-        )
-        .unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
-        let losses: Vec<f64> = (0..STEPS)
-            .flat_map(|_| {
-                let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
-                [m.loss, m.grad_norm]
-            })
-            .collect();
-        (
-            losses,
-            t.parameters()
-                .unwrap()
-                .into_iter()
-                .collect::<BTreeMap<_, _>>(),
-        )
-    };
+    let none = Pipeline::new(Vec::new());
+    let run = |mesh: Option<&str>| train_in(Backend::Cpu, mesh, &none, Precision::Bf16Mixed);
     let single = run(None);
     for mesh in ["dp_shard=2", "tp=2", "dp_shard=2,tp=2"] {
         let got = run(Some(mesh));

@@ -99,10 +99,12 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
             _ => None,
         })
         .collect();
+    let mut on_host = vec![false; graph.values.len()];
+    for v in &host_values {
+        on_host[v.index()] = true;
+    }
     let in_arena = |vs: Vec<ValueId>| -> Vec<ValueId> {
-        vs.into_iter()
-            .filter(|v| !host_values.contains(v))
-            .collect()
+        vs.into_iter().filter(|v| !on_host[v.index()]).collect()
     };
     let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
     slots.extend(

@@ -133,15 +133,12 @@ offloaded values stay in the arena (offload and reload removed before lowering)"
     let t1 = Instant::now();
     let program = match backend {
         Backend::Reference => None,
-        Backend::Cpu | Backend::Wgpu | Backend::Cuda => {
-            let legal = tracing::info_span!("legalize", ?backend)
-                .in_scope(|| legalize(&optimized, backend, options.mode))?;
-            let keep = |op: &graphtrain_ir::Op| backend.keeps_composite(op);
-            let program = tracing::info_span!("lower", mode = ?options.mode)
-                .in_scope(|| lower_with_limits(&legal, options.mode, &keep, &options.fusion))
-                .map_err(|e| RuntimeError::Lower(e.to_string()))?;
-            Some(program)
-        }
+        Backend::Cpu | Backend::Wgpu | Backend::Cuda => Some(lower_for_backend(
+            &optimized,
+            backend,
+            options.mode,
+            &options.fusion,
+        )?),
     };
     let t2 = Instant::now();
     Ok(Compiled {
@@ -156,6 +153,23 @@ offloaded values stay in the arena (offload and reload removed before lowering)"
         },
         runtime: options.runtime.clone(),
     })
+}
+
+/// The Program `optimized` (a graph after its pipeline) lowers to for compiled `backend`:
+/// legalized (`legalize`), then lowered in `mode` under `fusion`. Needs no device: the
+/// simulator lowers through it for machines it does not have.
+pub fn lower_for_backend(
+    optimized: &Graph,
+    backend: Backend,
+    mode: Mode,
+    fusion: &FusionLimits,
+) -> Result<Program, RuntimeError> {
+    let legal = tracing::info_span!("legalize", ?backend)
+        .in_scope(|| legalize(optimized, backend, mode))?;
+    let keep = |op: &graphtrain_ir::Op| backend.keeps_composite(op);
+    tracing::info_span!("lower", ?mode)
+        .in_scope(|| lower_with_limits(&legal, mode, &keep, fusion))
+        .map_err(|e| RuntimeError::Lower(e.to_string()))
 }
 
 /// The graph a compiled backend's lowering takes: every composite `backend` has no kernel for

@@ -35,7 +35,9 @@ pub mod timeline;
 pub use comm::{
     CollectiveCall, Communicator, FakeRank, Link, SingleRank, ThreadComm, ThreadWorld, Transfer,
 };
-pub use compile::{compile, legalize, CompileOptions, CompileTimings, Compiled, Fingerprint};
+pub use compile::{
+    compile, legalize, lower_for_backend, CompileOptions, CompileTimings, Compiled, Fingerprint,
+};
 pub use options::{GemmKernel, Profile, RuntimeOptions};
 pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;

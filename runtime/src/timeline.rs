@@ -61,7 +61,7 @@ impl TimelineEvent {
 }
 
 /// A recorded run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timeline {
     pub events: Vec<TimelineEvent>,
     /// Wall time of the whole run, including the final wait.

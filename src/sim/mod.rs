@@ -36,10 +36,10 @@ pub use hardware::LinkSpec;
 use graphtrain_ir::stats::comm_bytes;
 use graphtrain_ir::{DType, Graph, Mesh, ValueId};
 use graphtrain_lowering::program::Access;
-use graphtrain_lowering::{lower_with_limits, FusionLimits, Mode, Program, Step};
+use graphtrain_lowering::{FusionLimits, Mode, Program, Step};
 use graphtrain_passes::Pipeline;
 use graphtrain_runtime::timeline::{COMMUNICATION, KERNELS};
-use graphtrain_runtime::{legalize, Backend};
+use graphtrain_runtime::{lower_for_backend, Backend};
 use hardware::{Hardware, Kind};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -54,19 +54,18 @@ pub fn lower_for(graph: &Graph, pipeline: &Pipeline, hw: &Hardware) -> Result<Pr
             optimized = kept;
         }
     }
-    // Every backend keeps the same composites, so the cpu's legalization is the devices'.
-    let legal = legalize(&optimized, Backend::Cpu, Mode::Fused).map_err(|e| e.to_string())?;
-    lower_with_limits(
-        &legal,
+    // Every backend keeps the same composites, so the cpu's Program is the devices'.
+    lower_for_backend(
+        &optimized,
+        Backend::Cpu,
         Mode::Fused,
-        &|op| Backend::Cpu.keeps_composite(op),
         &FusionLimits::default(),
     )
     .map_err(|e| e.to_string())
 }
 
 /// Where the simulator says a rank's step time goes.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Prediction {
     /// One rank's step, seconds.
     pub step_s: f64,
@@ -144,15 +143,7 @@ or a smaller mesh",
         steps: program.steps.len(),
         arena_bytes: program.plan.arena_bytes,
         host_bytes: program.host_bytes(),
-        step_s: 0.0,
-        by_kind: Vec::new(),
-        exposed_comm_s: 0.0,
-        comm_s: 0.0,
-        collectives: 0,
-        timeline: graphtrain_runtime::Timeline {
-            events: Vec::new(),
-            total: Duration::ZERO,
-        },
+        ..Prediction::default()
     };
     let (mut compute, mut comm_free) = (0.0f64, 0.0f64);
     let mut ends: HashMap<ValueId, f64> = HashMap::new();

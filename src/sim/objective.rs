@@ -117,6 +117,9 @@ impl Objective for Simulated<'_> {
     fn predict(&mut self, candidate: &str) -> Result<Prediction, Failure> {
         let pipeline = self.pipeline(candidate)?;
         let program = lower_for(&self.step, &pipeline, &self.hardware)?;
+        // Its step time too, while the Program is at hand: the pairs then lower nothing again.
+        let t = simulate(&program, &self.hardware, self.links, self.nodes)?.step_s;
+        self.times.insert(candidate.to_string(), t);
         Ok(Prediction {
             fingerprint: Fingerprint::of(&program.graph).to_string(),
             peak_bytes: program.plan.arena_bytes as u64,

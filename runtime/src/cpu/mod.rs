@@ -86,7 +86,7 @@ pub struct CpuExecutor {
     /// The GEMM kernel matmuls and attention's products run on.
     gemm: gemm::GemmKernel,
     comm: Box<dyn Communicator>,
-    /// Offloaded values (`Program::host_values`), kept between runs so their memory is reused.
+    /// Offloaded values (`Program::host_values`), from their offload to the next run's.
     /// Compiled for `cpu`, a Program has none (`compile` removes offloading there: the arena is
     /// already host memory); one lowered elsewhere runs all the same.
     host: std::collections::HashMap<ValueId, Vec<f32>>,

@@ -145,8 +145,8 @@ pub struct DeviceExecutor {
     /// Collectives in flight, by handle id: the operand and result in host memory, where the
     /// communicator reads and writes them (`Staged`).
     staged: HashMap<usize, Staged>,
-    /// Offloaded values (`Program::host_values`) in host memory, kept between runs so their
-    /// memory is reused: the arena holds no bytes for them.
+    /// Offloaded values (`Program::host_values`) in host memory, from their offload to the next
+    /// run's: the arena holds no bytes for them.
     host: HashMap<ValueId, Vec<f32>>,
     /// What the device's allocator reported the arena to take when it was created (its bytes
     /// in use after, less before): the measurement the plan's arena is checked against.
