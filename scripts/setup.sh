@@ -9,7 +9,7 @@
 # Usage:  eval "$(sh scripts/setup.sh)"   (prints the XDG_DATA_HOME the build must see, and an
 # XDG_RUNTIME_DIR, which Vulkan's loader wants to exist)
 set -eu
-PKGS="llvm-22-dev libpolly-22-dev libzstd-dev mesa-vulkan-drivers libvulkan1 openmpi-bin libopenmpi-dev libclang-dev"
+PKGS="llvm-22-dev libpolly-22-dev libzstd-dev mesa-vulkan-drivers libvulkan1 openmpi-bin libopenmpi-dev libclang-dev coinor-libcbc-dev"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

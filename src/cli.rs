@@ -108,6 +108,11 @@ pub enum Command {
     /// hardware description (`--hardware`: built-in GPUs, a RON file, or `this-cpu`, measured
     /// now).
     Sim(SimArgs),
+    /// Choose a parallelization plan for a model on a mesh: an integer linear program over
+    /// each parameter class's placements, priced by the simulator's rates (`passes explain
+    /// autoshard`); writes the plan as RON for `run --plan`, and compares it with the
+    /// built-in Llama plan by the same price.
+    Autoshard(AutoshardArgs),
     /// Parse and verify a graph file (text or RON) and summarize it.
     Check {
         /// Graph file: `.ron` is read as RON, anything else as the text format.
@@ -452,6 +457,47 @@ pub struct SimArgs {
     /// format `run --trace-out` records, so a prediction and a run open side by side.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct AutoshardArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The device mesh, e.g. `dp_shard=2,tp=2` or `dp_shard=8,tp=8`.
+    #[arg(long)]
+    pub mesh: String,
+    /// The global batch instead of the config's.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    #[command(flatten)]
+    pub optim: OptimArgs,
+    /// `f32` or `bf16-mixed`.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The machine the plan is for, as `sim` takes it: `h100-sxm`, `h200`, `a100-sxm`, a RON
+    /// file, or `this-cpu` (measured now, a few seconds).
+    #[arg(long, default_value = "this-cpu")]
+    pub hardware: String,
+    /// Nodes the run spans (devices per node come from the hardware).
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// One emulated link for every collective, `GBPS:LATENCY_US` (a threads run with `--link`).
+    #[arg(long)]
+    pub link: Option<String>,
+    /// The most memory a rank may hold at its peak (bytes, or with KiB, MiB or GiB). Default:
+    /// the hardware's memory (a device's; on a cpu host, the host's divided by the ranks).
+    #[arg(long)]
+    pub memory_limit: Option<String>,
+    /// Keep these parameters' placements: `PATTERN=DIM:PLACEMENT[,DIM:PLACEMENT]`, e.g.
+    /// `*.wq.weight=tp:shard(0)`; repeat for several.
+    #[arg(long = "fix")]
+    pub fixed: Vec<String>,
+    /// Proposals the solver prices exactly per global choice.
+    #[arg(long, default_value_t = 4)]
+    pub proposals: usize,
+    /// Write the plan (RON) here instead of to stdout.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -1521,6 +1567,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::SearchWorker(a) => search_worker(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Sim(a) => sim(a, registry),
+        Command::Autoshard(a) => autoshard(a),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
         Command::Generate(a) => generate(a),
@@ -1648,12 +1695,14 @@ fn load_plan(
     }
 }
 
-fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
-    use crate::sim::{hardware::Hardware, simulate, LinkSpec, Links};
-    if a.nodes == 0 {
-        return Err("--nodes must be at least 1".into());
-    }
-    let hw = if a.hardware == "this-cpu" {
+/// `--hardware` (a built-in name, a RON file, or `this-cpu`, measured now) and `--link` (one
+/// emulated link for every collective), as `sim` and `autoshard` take them.
+fn hardware_and_links(
+    hardware: &str,
+    link: Option<&str>,
+) -> Result<(crate::sim::hardware::Hardware, crate::sim::Links), String> {
+    use crate::sim::{hardware::Hardware, LinkSpec, Links};
+    let hw = if hardware == "this-cpu" {
         let c = crate::sim::calibrate::this_cpu()?;
         say!(
             "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), causal attention {:.1} GFLOP/s, memory {:.1} GB/s, a launch {:.1} us",
@@ -1667,12 +1716,9 @@ fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
         );
         c.hardware
     } else {
-        Hardware::load(&a.hardware)?
+        Hardware::load(hardware)?
     };
-    if let Some(path) = &a.write_hardware {
-        std::fs::write(path, hw.to_ron()).map_err(|e| format!("{}: {e}", path.display()))?;
-    }
-    let links = match &a.link {
+    let links = match link {
         None => Links::Hardware,
         Some(l) => {
             let link = graphtrain_runtime::Link::parse(l).map_err(|e| format!("--link: {e}"))?;
@@ -1682,6 +1728,115 @@ fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
             })
         }
     };
+    Ok((hw, links))
+}
+
+fn autoshard(a: AutoshardArgs) -> Result<(), String> {
+    use crate::autoshard::{human, Fix, Options, Solver};
+    if a.nodes == 0 {
+        return Err("--nodes must be at least 1".into());
+    }
+    let (hw, links) = hardware_and_links(&a.hardware, a.link.as_deref())?;
+    let mesh = parse_mesh(&a.mesh)?;
+    if hw.kind == crate::sim::hardware::Kind::Gpu && mesh.world_size() > a.nodes * hw.gpus_per_node
+    {
+        return Err(format!(
+            "--mesh {mesh} has {} ranks and {} node(s) of {} `{}` hold {}: give --nodes {}",
+            mesh.world_size(),
+            a.nodes,
+            hw.gpus_per_node,
+            hw.name,
+            a.nodes * hw.gpus_per_node,
+            mesh.world_size().div_ceil(hw.gpus_per_node)
+        ));
+    }
+    let memory_limit = a
+        .memory_limit
+        .as_deref()
+        .map(|m| {
+            graphtrain_passes::schedule::parse_bytes(m).map_err(|e| format!("--memory-limit: {e}"))
+        })
+        .transpose()?
+        .map(|b| b as f64)
+        .unwrap_or_else(|| {
+            // A device's memory, or a host's shared by its ranks.
+            let bytes = hw.memory_gib * (1u64 << 30) as f64;
+            match hw.kind {
+                crate::sim::hardware::Kind::Gpu => bytes,
+                crate::sim::hardware::Kind::Cpu => bytes / mesh.world_size() as f64,
+            }
+        });
+    let fixed = a
+        .fixed
+        .iter()
+        .map(|f| Fix::parse(f).map_err(|e| format!("--fix {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let opts = Options {
+        model: model_with_batch(&a.model, a.batch)?,
+        mesh: mesh.clone(),
+        optim: a.optim.config()?,
+        precision: Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?,
+        hardware: &hw,
+        links,
+        memory_limit: Some(memory_limit),
+        fixed,
+        proposals: a.proposals,
+    };
+    let solver = Solver::new(&opts)?;
+    let solved = solver.solve()?;
+    for line in &solved.log {
+        eprintln!("  {line}");
+    }
+    let show = |c: &crate::autoshard::cost::Cost| {
+        format!(
+            "{:.3} ms ({:.3} compute + {:.3} communication, {} collectives), peak {} a rank",
+            c.seconds() * 1e3,
+            c.compute_s * 1e3,
+            c.comm_s * 1e3,
+            c.collectives,
+            human(c.peak_bytes)
+        )
+    };
+    eprintln!(
+        "autoshard: {} parameter classes, {} group placements priced ({} refused by parallelize), {} ILP solves, {:.1} s",
+        solved.classes, solved.combinations, solved.refused, solved.ilp_solves, solved.seconds
+    );
+    eprintln!(
+        "chosen:     {} (the ILP predicted {:.3} ms, peak {})",
+        show(&solved.cost),
+        solved.predicted_s * 1e3,
+        human(solved.predicted_peak_bytes)
+    );
+    // The built-in plan is priced only now, for the comparison: the solver never sees it.
+    match solver.price(&graphtrain_passes::parallelize::Plan::llama(&mesh)) {
+        Ok(hand) => eprintln!(
+            "Llama plan: {} ({:+.1}% for the chosen plan)",
+            show(&hand),
+            100.0 * (solved.cost.seconds() / hand.seconds() - 1.0)
+        ),
+        Err(e) => eprintln!("Llama plan: does not build here: {e}"),
+    }
+    let ron = solved.plan.to_ron();
+    match &a.out {
+        Some(path) => {
+            std::fs::write(path, format!("{ron}\n"))
+                .map_err(|e| format!("--out {}: {e}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        None => say!("{ron}"),
+    }
+    Ok(())
+}
+
+fn sim(a: SimArgs, registry: &Registry) -> Result<(), String> {
+    use crate::sim::simulate;
+    if a.nodes == 0 {
+        return Err("--nodes must be at least 1".into());
+    }
+    let (hw, links) = hardware_and_links(&a.hardware, a.link.as_deref())?;
+    if let Some(path) = &a.write_hardware {
+        std::fs::write(path, hw.to_ron()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let cfg = model_with_batch(&a.model, a.batch)?;
     let optim = a.optim.config()?;
     let precision = Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?;
@@ -2630,6 +2785,10 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
                 say!("{:<14} {tier}  {}{option}", info.name, info.summary);
             }
             say!("default pipeline: {}", DEFAULT_PIPELINE.join(","));
+            Ok(())
+        }
+        PassesCommand::Explain { name } if name == "autoshard" => {
+            say!("{}", crate::autoshard::CONTRACT);
             Ok(())
         }
         PassesCommand::Explain { name } => {

@@ -3,6 +3,7 @@
 //! The root package holds the CLI (`cli`), run configuration (`config`), data feeding (`data`),
 //! the training loop (`trainer`) and forward-only runs for validation and sampling (`eval`), and re-exports the crates below it. See ARCHITECTURE.md.
 
+pub mod autoshard;
 pub mod bench;
 pub mod checkpoint;
 pub mod cli;

@@ -1461,3 +1461,99 @@ fn search_with_the_simulator_as_objective() {
     ]);
     assert_clean_error(&o, &["--objective sim uses the hardware's links"]);
 }
+
+/// `autoshard`: writes a plan `run --plan` trains with, says how it compares with the Llama
+/// plan, explains its cost model, and refuses bad requests cleanly.
+#[test]
+fn autoshard_writes_a_plan_that_runs() {
+    let plan = temp_file("autoshard-plan.ron", "");
+    let mesh = ["--mesh", "dp_shard=2,tp=2"];
+    let o = graphtrain(
+        &[
+            &["autoshard", "--config", "tiny", "--hardware", "h100-sxm"][..],
+            &mesh,
+            &["--out", plan.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("chosen:") && err.contains("Llama plan:"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&plan).unwrap();
+    assert!(text.contains("sequence_parallel"), "{text}");
+    let o = graphtrain(
+        &[
+            &[
+                "run",
+                "--config",
+                "tiny",
+                "--steps",
+                "2",
+                "--plan",
+                plan.to_str().unwrap(),
+            ][..],
+            &mesh,
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("step:  2 loss:"), "{}", stdout(&o));
+
+    let o = graphtrain(&["passes", "explain", "autoshard"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Cost model"), "{}", stdout(&o));
+
+    let o = graphtrain(
+        &[
+            &[
+                "autoshard",
+                "--config",
+                "tiny",
+                "--hardware",
+                "h100-sxm",
+                "--fix",
+                "*.wq.weight=tp",
+            ][..],
+            &mesh,
+        ]
+        .concat(),
+    );
+    assert_clean_error(&o, &["--fix", "is not DIM:PLACEMENT"]);
+    let o = graphtrain(&[
+        "autoshard",
+        "--config",
+        "tiny",
+        "--hardware",
+        "h100-sxm",
+        "--mesh",
+        "dp_shard=16",
+        "--batch",
+        "16",
+    ]);
+    assert_clean_error(&o, &["16 ranks", "--nodes 2"]);
+    let o = graphtrain(
+        &[
+            &[
+                "autoshard",
+                "--config",
+                "tiny",
+                "--hardware",
+                "h100-sxm",
+                "--memory-limit",
+                "1KiB",
+            ][..],
+            &mesh,
+        ]
+        .concat(),
+    );
+    assert_clean_error(
+        &o,
+        &[
+            "no plan fits the memory limit 1.00 KiB",
+            "smallest peak found",
+        ],
+    );
+}

@@ -151,7 +151,7 @@ impl Plan {
 }
 
 /// `*` matches any run of characters, everything else itself.
-fn glob(pattern: &str, name: &str) -> bool {
+pub fn glob(pattern: &str, name: &str) -> bool {
     match pattern.split_once('*') {
         None => pattern == name,
         Some((head, rest)) => {

@@ -192,19 +192,7 @@ or a smaller mesh",
                     .as_ref()
                     .ok_or("a collective in a graph without a mesh")?;
                 let group = mesh.group(0, mesh_dims);
-                let link = match links {
-                    Links::Every(l) => l,
-                    Links::Hardware => {
-                        let first = group[0] / hw.gpus_per_node;
-                        if hw.kind == Kind::Gpu
-                            && group.iter().any(|r| r / hw.gpus_per_node != first)
-                        {
-                            hw.inter_node
-                        } else {
-                            hw.intra_node
-                        }
-                    }
-                };
+                let link = link_for(hw, links, &group);
                 let sent = comm_bytes(*collective, group.len(), g.ty(*src).numel() * 4);
                 let begin = compute.max(comm_free);
                 comm_free = begin + link.seconds(sent);
@@ -242,6 +230,23 @@ or a smaller mesh",
     p.step_s = compute.max(comm_free);
     p.timeline = graphtrain_runtime::Timeline::of_steps(program, events, at(p.step_s));
     Ok(p)
+}
+
+/// The link a collective over `group` (ranks, row-major over the mesh) runs at: the emulated
+/// one, or on a GPU cluster the inter-node link when the group spans nodes, else the intra-node
+/// one.
+pub fn link_for(hw: &Hardware, links: Links, group: &[usize]) -> LinkSpec {
+    match links {
+        Links::Every(l) => l,
+        Links::Hardware => {
+            let first = group[0] / hw.gpus_per_node;
+            if hw.kind == Kind::Gpu && group.iter().any(|r| r / hw.gpus_per_node != first) {
+                hw.inter_node
+            } else {
+                hw.intra_node
+            }
+        }
+    }
 }
 
 fn dims4(shape: &[usize]) -> [usize; 4] {
