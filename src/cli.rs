@@ -1789,7 +1789,7 @@ fn autoshard(a: AutoshardArgs) -> Result<(), String> {
     }
     let show = |c: &crate::autoshard::cost::Cost| {
         format!(
-            "{:.3} ms ({:.3} compute + {:.3} communication, {} collectives), peak {} a rank",
+            "priced {:.3} ms ({:.3} compute + {:.3} communication, {} collectives, nothing overlapped), peak {} a rank",
             c.seconds() * 1e3,
             c.compute_s * 1e3,
             c.comm_s * 1e3,
@@ -1802,15 +1802,18 @@ fn autoshard(a: AutoshardArgs) -> Result<(), String> {
         solved.classes, solved.combinations, solved.refused, solved.ilp_solves, solved.seconds
     );
     eprintln!(
-        "chosen:     {} (the ILP predicted {:.3} ms, peak {})",
+        "chosen plan: {} ({})",
         show(&solved.cost),
-        solved.predicted_s * 1e3,
-        human(solved.predicted_peak_bytes)
+        match solved.predicted {
+            Some((s, bytes)) =>
+                format!("the ILP predicted {:.3} ms, peak {}", s * 1e3, human(bytes)),
+            None => "the ILP's least-memory proposal".into(),
+        }
     );
     // The built-in plan is priced only now, for the comparison: the solver never sees it.
     match solver.price(&graphtrain_passes::parallelize::Plan::llama(&mesh)) {
         Ok(hand) => eprintln!(
-            "Llama plan: {} ({:+.1}% for the chosen plan)",
+            "Llama plan:  {} ({:+.1}% for the chosen plan; `graphtrain sim --plan` predicts either step with its overlap)",
             show(&hand),
             100.0 * (solved.cost.seconds() / hand.seconds() - 1.0)
         ),

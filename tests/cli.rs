@@ -1479,7 +1479,7 @@ fn autoshard_writes_a_plan_that_runs() {
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(
-        err.contains("chosen:") && err.contains("Llama plan:"),
+        err.contains("chosen plan: priced") && err.contains("Llama plan:  priced"),
         "{err}"
     );
     let text = std::fs::read_to_string(&plan).unwrap();

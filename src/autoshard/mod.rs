@@ -112,9 +112,9 @@ pub struct Solved {
     pub plan: Plan,
     /// The exact price of `plan` (the model's depth extrapolated from one and two blocks).
     pub cost: Cost,
-    /// What the ILP predicted for it: seconds and peak bytes.
-    pub predicted_s: f64,
-    pub predicted_peak_bytes: f64,
+    /// What the ILP predicted for it, seconds and peak bytes, when it proposed it as the
+    /// fastest (`None`: it came from minimizing memory, where time was not the objective).
+    pub predicted: Option<(f64, f64)>,
     pub classes: usize,
     /// Group combinations built and priced, and how many `parallelize` refused.
     pub combinations: usize,
@@ -533,7 +533,9 @@ impl<'a> Solver<'a> {
                 allowed: c.candidates.iter().map(|k| self.allowed(c, k)).collect(),
             })
             .collect();
-        let mut best: Option<(Plan, Cost, Delta)> = None;
+        // The plan, its price, and what the ILP predicted for it.
+        type Best = (Plan, Cost, Option<(f64, f64)>);
+        let mut best: Option<Best> = None;
         let mut best_tp: Option<(Vec<usize>, f64)> = None;
         let mut smallest: Option<(Plan, Cost)> = None;
         let (mut combinations, mut refused, mut ilp_solves) = (0, 0, 0);
@@ -625,6 +627,8 @@ impl<'a> Solver<'a> {
                                     .is_none_or(|(_, b, _)| cost.seconds() < b.seconds())
                             {
                                 best_tp = Some((self.tp_of(&chosen), cost.seconds()));
+                                let predicted = (minimize == Minimize::Time)
+                                    .then_some((predicted.seconds, predicted.bytes));
                                 best = Some((plan, cost, predicted));
                             }
                         }
@@ -663,8 +667,7 @@ impl<'a> Solver<'a> {
         Ok(Solved {
             plan,
             cost,
-            predicted_s: predicted.seconds,
-            predicted_peak_bytes: predicted.bytes,
+            predicted,
             classes: self.classes.len(),
             combinations,
             refused,
