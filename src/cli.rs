@@ -464,8 +464,20 @@ pub struct AutoshardArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The device mesh, e.g. `dp_shard=2,tp=2` or `dp_shard=8,tp=8`.
+    #[arg(long, required_unless_present = "world", conflicts_with = "world")]
+    pub mesh: Option<String>,
+    /// Instead of one mesh, every `dp_shard` x `tp` mesh of this many ranks: each solved (the
+    /// fastest plan, and the fastest that fits the device's memory), simulated with each
+    /// pipeline of --survey-passes, ranked, and the one to run named with the reason.
     #[arg(long)]
-    pub mesh: String,
+    pub world: Option<usize>,
+    /// The pipelines --world simulates, `;`-separated.
+    #[arg(
+        long,
+        default_value = "default;default,prefetch;default,ac=selective,prefetch;default,ac=full,prefetch",
+        requires = "world"
+    )]
+    pub survey_passes: String,
     /// The global batch instead of the config's.
     #[arg(long)]
     pub batch: Option<usize>,
@@ -1567,7 +1579,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::SearchWorker(a) => search_worker(a, registry),
         Command::Passes(c) => passes_command(c, registry),
         Command::Sim(a) => sim(a, registry),
-        Command::Autoshard(a) => autoshard(a),
+        Command::Autoshard(a) => autoshard(a, registry),
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
         Command::Generate(a) => generate(a),
@@ -1731,13 +1743,20 @@ fn hardware_and_links(
     Ok((hw, links))
 }
 
-fn autoshard(a: AutoshardArgs) -> Result<(), String> {
+fn autoshard(a: AutoshardArgs, registry: &Registry) -> Result<(), String> {
     use crate::autoshard::{human, Fix, Options, Solver};
     if a.nodes == 0 {
         return Err("--nodes must be at least 1".into());
     }
     let (hw, links) = hardware_and_links(&a.hardware, a.link.as_deref())?;
-    let mesh = parse_mesh(&a.mesh)?;
+    if let Some(world) = a.world {
+        return autoshard_survey(&a, world, &hw, links, registry);
+    }
+    let mesh = parse_mesh(
+        a.mesh
+            .as_deref()
+            .expect("clap requires --mesh without --world"),
+    )?;
     if hw.kind == crate::sim::hardware::Kind::Gpu && mesh.world_size() > a.nodes * hw.gpus_per_node
     {
         return Err(format!(
@@ -1827,6 +1846,148 @@ fn autoshard(a: AutoshardArgs) -> Result<(), String> {
             eprintln!("wrote {}", path.display());
         }
         None => say!("{ron}"),
+    }
+    Ok(())
+}
+
+/// `autoshard --world N`: meshes, plans and pipelines simulated and ranked.
+fn autoshard_survey(
+    a: &AutoshardArgs,
+    world: usize,
+    hw: &crate::sim::hardware::Hardware,
+    links: crate::sim::Links,
+    registry: &Registry,
+) -> Result<(), String> {
+    use crate::autoshard::survey::{meshes, survey};
+    use crate::autoshard::{human, Fix, Options};
+    if world == 0 {
+        return Err("--world must be at least 1".into());
+    }
+    if hw.kind == crate::sim::hardware::Kind::Gpu && world > a.nodes * hw.gpus_per_node {
+        return Err(format!(
+            "--world {world}: {} node(s) of {} `{}` hold {}: give --nodes {}",
+            a.nodes,
+            hw.gpus_per_node,
+            hw.name,
+            a.nodes * hw.gpus_per_node,
+            world.div_ceil(hw.gpus_per_node)
+        ));
+    }
+    if a.memory_limit.is_some() {
+        return Err("--memory-limit: with --world the limit is the device's memory".into());
+    }
+    let pipelines = a
+        .survey_passes
+        .split(';')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let pipeline = PipelineSpec::parse_list(p.trim())?.build(registry)?;
+            Ok((p.trim().to_string(), pipeline))
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|e| format!("--survey-passes: {e}"))?;
+    let opts = Options {
+        model: model_with_batch(&a.model, a.batch)?,
+        mesh: graphtrain_ir::Mesh { dims: Vec::new() },
+        optim: a.optim.config()?,
+        precision: Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?,
+        hardware: hw,
+        links,
+        memory_limit: None,
+        fixed: a
+            .fixed
+            .iter()
+            .map(|f| Fix::parse(f).map_err(|e| format!("--fix {e}")))
+            .collect::<Result<Vec<_>, _>>()?,
+        proposals: a.proposals,
+    };
+    if meshes(&opts, world).is_empty() {
+        return Err(format!(
+            "--world {world}: no dp_shard x tp mesh splits batch {} and {} heads ({} key/value) within a node of {}",
+            opts.model.batch, opts.model.n_heads, opts.model.n_kv_heads, hw.gpus_per_node
+        ));
+    }
+    let t0 = Instant::now();
+    let rows = survey(&opts, world, &pipelines, a.nodes);
+    let tokens = (opts.model.batch * opts.model.seq_len) as f64;
+    say!(
+        "{:<22} {:<8} {:<38} {:>9} {:>12} {:>9} {:>11}  fits",
+        "mesh",
+        "plan",
+        "passes",
+        "step s",
+        "tok/s/device",
+        "exposed",
+        "arena"
+    );
+    for r in &rows {
+        match &r.outcome {
+            Ok(p) => say!(
+                "{:<22} {:<8} {:<38} {:>9.3} {:>12.0} {:>7.0}ms {:>11}  {}",
+                r.mesh.to_string(),
+                r.plan_kind,
+                r.passes,
+                p.step_s,
+                tokens / p.step_s / world as f64,
+                p.exposed_comm_s * 1e3,
+                human(p.arena_bytes as f64),
+                if r.fits { "yes" } else { "no" }
+            ),
+            Err(e) => say!(
+                "{:<22} {:<8} {:<38} {}",
+                r.mesh.to_string(),
+                r.plan_kind,
+                r.passes,
+                e.lines().next().unwrap_or_default()
+            ),
+        }
+    }
+    eprintln!(
+        "surveyed {} candidates in {:.1} s",
+        rows.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let fitting: Vec<_> = rows.iter().filter(|r| r.fits).collect();
+    match fitting.first() {
+        None => say!(
+            "would run: nothing; no candidate's arena fits the {:.0} GiB of a `{}` (try ac=full in --survey-passes, bf16-mixed, or more ranks)",
+            hw.memory_gib,
+            hw.name
+        ),
+        Some(best) => {
+            let p = best.outcome.as_ref().expect("fitting rows were simulated");
+            let compute: f64 = p.by_kind.iter().map(|(_, s)| s).sum();
+            say!(
+                "would run: --mesh {} with the `{}` plan and --passes {}: the fastest simulated step that fits ({:.3} s, {:.0} tok/s a device; compute {:.3} s, communication {:.3} s of which {:.3} s exposed; arena {} of {:.0} GiB)",
+                best.mesh,
+                best.plan_kind,
+                best.passes,
+                p.step_s,
+                tokens / p.step_s / world as f64,
+                compute,
+                p.comm_s,
+                p.exposed_comm_s,
+                human(p.arena_bytes as f64),
+                hw.memory_gib
+            );
+            if let Some(next) = fitting.get(1) {
+                let q = next.outcome.as_ref().expect("fitting rows were simulated");
+                say!(
+                    "next: --mesh {} `{}` --passes {}, {:+.1}% step time",
+                    next.mesh,
+                    next.plan_kind,
+                    next.passes,
+                    100.0 * (q.step_s / p.step_s - 1.0)
+                );
+            }
+            if let Some(plan) = &best.plan {
+                if let Some(path) = &a.out {
+                    std::fs::write(path, format!("{}\n", plan.to_ron()))
+                        .map_err(|e| format!("--out {}: {e}", path.display()))?;
+                    eprintln!("wrote its plan to {}", path.display());
+                }
+            }
+        }
     }
     Ok(())
 }

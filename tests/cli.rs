@@ -1557,3 +1557,44 @@ fn autoshard_writes_a_plan_that_runs() {
         ],
     );
 }
+
+/// `autoshard --world N`: every mesh of N ranks solved, simulated with each pipeline, ranked,
+/// and one named to run; a world the nodes cannot hold is refused.
+#[test]
+fn autoshard_ranks_the_meshes_of_a_world() {
+    let plan = temp_file("survey-plan.ron", "");
+    let o = graphtrain(&[
+        "autoshard",
+        "--config",
+        "tiny",
+        "--world",
+        "2",
+        "--hardware",
+        "h100-sxm",
+        "--survey-passes",
+        "default;default,prefetch",
+        "--out",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for mesh in ["dp_shard=2 ", "tp=2 "] {
+        assert!(out.contains(mesh), "{out}");
+    }
+    assert!(out.contains("would run: --mesh "), "{out}");
+    assert!(std::fs::read_to_string(&plan)
+        .unwrap()
+        .contains("sequence_parallel"));
+    let o = graphtrain(&[
+        "autoshard",
+        "--config",
+        "tiny",
+        "--world",
+        "16",
+        "--hardware",
+        "h100-sxm",
+    ]);
+    assert_clean_error(&o, &["--world 16", "--nodes 2"]);
+    let o = graphtrain(&["autoshard", "--config", "tiny", "--hardware", "h100-sxm"]);
+    assert_clean_error(&o, &["--mesh"]);
+}

@@ -493,3 +493,37 @@ fn mixed_precision_runs_on_every_mesh_near_one_device() {
         );
     }
 }
+
+/// `async_tp` on the mixed-precision step: its chunks of bf16 matmul operands are gathered and
+/// concatenated as bf16 (copies, nothing rounds again), so the step stays bitwise the one
+/// without it.
+#[test]
+fn async_tp_keeps_the_mixed_precision_step_bitwise() {
+    let none = Pipeline::new(Vec::new());
+    let mut pipeline = PipelineSpec::parse_list("async_tp=chunks:2;gate:off")
+        .unwrap()
+        .build(&Registry::builtin())
+        .unwrap();
+    pipeline.verify_each = true;
+    for mesh in ["tp=2", "dp_shard=2,tp=2"] {
+        let plain = train_in(Backend::Cpu, Some(mesh), &none, Precision::Bf16Mixed);
+        let t = build_in(
+            Backend::Cpu,
+            Some(&threads_on(mesh)),
+            &pipeline,
+            Precision::Bf16Mixed,
+        );
+        let record = t.passes.iter().find(|r| r.pass == "async_tp").unwrap();
+        assert!(
+            !record.report.changes.is_empty(),
+            "{mesh}: {}",
+            record.report
+        );
+        drop(t);
+        assert_bitwise(
+            &format!("{mesh} bf16-mixed with async_tp"),
+            &train_in(Backend::Cpu, Some(mesh), &pipeline, Precision::Bf16Mixed),
+            &plain,
+        );
+    }
+}

@@ -224,6 +224,7 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
                             | Op::Transpose { .. }
                             | Op::Slice { .. }
                             | Op::Expand { .. }
+                            | Op::Concat { .. }
                     );
                 if holds_bf16 {
                     continue;

@@ -44,6 +44,7 @@
 
 pub mod cost;
 mod milp;
+pub mod survey;
 
 use crate::sim::hardware::Hardware;
 use crate::sim::Links;
@@ -505,6 +506,12 @@ impl<'a> Solver<'a> {
 
     /// Solves, proposal by proposal, for each global choice.
     pub fn solve(&self) -> Result<Solved, String> {
+        self.solve_or_smallest().map_err(|(e, _)| e)
+    }
+
+    /// `solve`, and where no plan fits the limit, the plan with the smallest peak it priced
+    /// beside the error (passes after it, such as activation checkpointing, may make it fit).
+    pub fn solve_or_smallest(&self) -> Result<Solved, (String, Option<Plan>)> {
         let t0 = Instant::now();
         let tp = self.opts.mesh.size_of(TP) > 1;
         let globals: Vec<Global> = if tp {
@@ -589,9 +596,10 @@ impl<'a> Solver<'a> {
                     };
                     ilp_solves += 1;
                     let solution = match minimize {
-                        Minimize::Time => ilp(self.opts.memory_limit, &excluded, minimize)?,
-                        Minimize::Memory => ilp(None, &[], minimize)?,
-                    };
+                        Minimize::Time => ilp(self.opts.memory_limit, &excluded, minimize),
+                        Minimize::Memory => ilp(None, &[], minimize),
+                    }
+                    .map_err(|e| (e, None))?;
                     let Some((chosen, predicted)) = solution else {
                         continue;
                     };
@@ -652,15 +660,21 @@ impl<'a> Solver<'a> {
         let Some((plan, cost, predicted)) = best else {
             let limit = self.opts.memory_limit.map(human).unwrap_or_default();
             return Err(match smallest {
-                Some((_, s)) => format!(
-                    "autoshard: no plan fits the memory limit {limit} on the mesh {}: the smallest peak found is {} a rank",
-                    self.opts.mesh,
-                    human(s.peak_bytes)
+                Some((plan, s)) => (
+                    format!(
+                        "autoshard: no plan fits the memory limit {limit} on the mesh {}: the smallest peak found is {} a rank",
+                        self.opts.mesh,
+                        human(s.peak_bytes)
+                    ),
+                    Some(plan),
                 ),
-                None => format!(
-                    "autoshard: no plan builds on the mesh {}:\n  {}",
-                    self.opts.mesh,
-                    log.join("\n  ")
+                None => (
+                    format!(
+                        "autoshard: no plan builds on the mesh {}:\n  {}",
+                        self.opts.mesh,
+                        log.join("\n  ")
+                    ),
+                    None,
                 ),
             });
         };
