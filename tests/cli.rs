@@ -1412,6 +1412,20 @@ fn sim_predicts_on_builtin_hardware_and_refuses_what_does_not_fit() {
         bad.to_str().unwrap(),
     ]);
     assert_clean_error(&o, &["bad-hw.ron", "memory_gbps"]);
+    // A field the description does not have is an error, not ignored.
+    let extra = temp_file(
+        "extra-hw.ron",
+        &include_str!("../src/sim/hardware/h200.ron")
+            .replace("memory_gib: 141.0,", "memory_gib: 141.0, nvlink_gen: 4,"),
+    );
+    let o = graphtrain(&[
+        "sim",
+        "--config",
+        "tiny",
+        "--hardware",
+        extra.to_str().unwrap(),
+    ]);
+    assert_clean_error(&o, &["extra-hw.ron", "nvlink_gen"]);
 }
 
 /// `search --objective sim:HARDWARE`: the loop searches passes for a machine it does not have,
@@ -1501,6 +1515,28 @@ fn autoshard_writes_a_plan_that_runs() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("step:  2 loss:"), "{}", stdout(&o));
+
+    // A misspelled field in a plan is an error naming it, not a plan silently without it.
+    let typo = temp_file(
+        "typo-plan.ron",
+        &text.replace("sequence_parallel", "sequence_paralel"),
+    );
+    let o = graphtrain(
+        &[
+            &[
+                "run",
+                "--config",
+                "tiny",
+                "--steps",
+                "1",
+                "--plan",
+                typo.to_str().unwrap(),
+            ][..],
+            &mesh,
+        ]
+        .concat(),
+    );
+    assert_clean_error(&o, &["typo-plan.ron", "sequence_paralel"]);
 
     let o = graphtrain(&["passes", "explain", "autoshard"]);
     assert!(o.status.success(), "{}", stderr(&o));

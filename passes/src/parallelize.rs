@@ -51,6 +51,7 @@ use std::collections::BTreeMap;
 /// parameter's name decides; a parameter no rule matches is replicated. Written in RON, e.g.
 /// `(params: [(pattern: "*", placements: {"dp_shard": Shard(0)})])`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Plan {
     pub params: Vec<ParamRule>,
     /// Sequence parallelism over `tp`: the activations between blocks (the residual stream and
@@ -67,6 +68,7 @@ pub struct Plan {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PinRule {
     /// A module path, where `*` stands for any run of characters (`output`, `layers.*.attention`).
     pub module: String,
@@ -75,6 +77,7 @@ pub struct PinRule {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParamRule {
     /// A parameter name, where `*` stands for any run of characters (`layers.*.attention.wq.weight`).
     pub pattern: String,

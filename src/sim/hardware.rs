@@ -16,6 +16,7 @@ pub enum Kind {
 
 /// Fractions of the peak each kind of work reaches.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Efficiency {
     /// Of the peak FLOP rate, for GEMMs.
     pub matmul: f64,
@@ -28,6 +29,7 @@ pub struct Efficiency {
 
 /// A link: what one member sends per second, and a fixed cost per collective.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LinkSpec {
     pub gbps: f64,
     pub latency_us: f64,
@@ -41,6 +43,7 @@ impl LinkSpec {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Hardware {
     pub name: String,
     pub kind: Kind,
