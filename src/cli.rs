@@ -2378,7 +2378,16 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         say!("{}", describe_mesh_run(run, cfg.batch));
     }
     if let Some(path) = &a.resume {
-        let ckpt = crate::sharded::load_any(path)?;
+        // An MPI rank reads only the rank files that hold its own parts.
+        let ckpt = match trainer.own_parts() {
+            Some((mesh, rank, wanted)) if crate::sharded::is_sharded(path) => {
+                let (ckpt, files) = crate::sharded::load_parts(path, &mesh, rank, &wanted)
+                    .map_err(|e| format!("--resume {}: {e}", path.display()))?;
+                tracing::info!(rank, ?files, "read its parts from these rank files");
+                ckpt
+            }
+            _ => crate::sharded::load_any(path)?,
+        };
         let fingerprint = trainer.fingerprint.to_string();
         if ckpt.header.fingerprint != fingerprint {
             say!(

@@ -1034,8 +1034,32 @@ values, {} as the trainer's f64 host copies, and {} is available",
         }
     }
 
+    /// On an MPI rank: its mesh, its rank and the carried tensors it holds (name, global shape,
+    /// placement), for `sharded::load_parts`; `None` elsewhere.
+    pub fn own_parts(&self) -> Option<(graphtrain_ir::Mesh, usize, Vec<crate::sharded::Wanted>)> {
+        let (Ranks::Mpi { rank }, Some(mesh)) = (self.ranks, &self.graph.mesh) else {
+            return None;
+        };
+        let wanted = self
+            .graph
+            .inputs
+            .iter()
+            .zip(&self.feeds)
+            .filter(|(_, feed)| matches!(feed, Feed::Carried))
+            .map(|(input, _)| crate::sharded::Wanted {
+                name: input.name.clone(),
+                global: global_input_type(&self.graph, input).shape,
+                placements: input
+                    .placement
+                    .clone()
+                    .unwrap_or_else(|| graphtrain_ir::Placements::replicated(mesh)),
+            })
+            .collect();
+        Some((mesh.clone(), rank, wanted))
+    }
+
     /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
-    /// and state tensor with its type. The graph fingerprint may differ (another pass pipeline
+    /// and state tensor with its type (whole, or on an MPI rank its own part). The graph fingerprint may differ (another pass pipeline
     /// over the same step): state is matched by name.
     pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
         self.need_whole_tensors("resume")?;
@@ -1070,17 +1094,20 @@ step, so it cannot resume the data there",
                 .remove(&input.name)
                 .ok_or_else(|| err(format!("the checkpoint has no tensor `{}`", input.name)))?;
             let want = global_input_type(&self.graph, input);
-            if value.ty != want {
-                return Err(err(format!(
-                    "checkpoint tensor `{}` is {}, the train step needs {}",
-                    input.name, value.ty, want
-                )));
-            }
+            let own = self.graph.ty(input.value);
             *slot = match (self.ranks, &self.graph.mesh, &input.placement) {
-                (Ranks::Mpi { rank }, Some(mesh), Some(p)) => {
+                // This rank's own part (`sharded::load_parts`).
+                (Ranks::Mpi { .. }, Some(_), Some(_)) if value.ty == *own => value,
+                (Ranks::Mpi { rank }, Some(mesh), Some(p)) if value.ty == want => {
                     local_part(&value, p, mesh, rank).map_err(err)?
                 }
-                _ => value,
+                _ if value.ty == want => value,
+                _ => {
+                    return Err(err(format!(
+                        "checkpoint tensor `{}` is {}, the train step needs {}",
+                        input.name, value.ty, want
+                    )))
+                }
             };
         }
         if let Some(extra) = by_name.keys().next() {
