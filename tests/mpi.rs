@@ -709,3 +709,61 @@ fn mpi_ranks_write_the_replay_files_of_the_threads_engine() {
         );
     }
 }
+
+/// A plan `autoshard` chose (squeezed under a memory limit, so it splits weights) runs under
+/// `mpirun` bit for bit as on threads, like any plan.
+#[test]
+fn an_autoshard_plan_trains_under_mpi_as_on_threads() {
+    let _job = one_job();
+    let dir = scratch("autoshard");
+    let plan = dir.join("plan.ron");
+    let mesh = "dp_shard=2,tp=2";
+    let solved = output({
+        let mut c = Command::new(BIN);
+        c.args([
+            "autoshard",
+            "--config",
+            "tiny",
+            "--mesh",
+            mesh,
+            "--hardware",
+            "h100-sxm",
+            "--memory-limit",
+            "200KiB",
+            "--out",
+            plan.to_str().unwrap(),
+        ]);
+        c
+    });
+    assert!(solved.status.success(), "{}", text(&solved.stderr));
+    let plan_text = std::fs::read_to_string(&plan).unwrap();
+    assert!(plan_text.contains("Shard"), "{plan_text}");
+    let mut args = train_args("5", mesh);
+    args.extend(["--plan", plan.to_str().unwrap()]);
+    let threads = output({
+        let mut c = Command::new(BIN);
+        c.args(&args);
+        c
+    });
+    assert!(threads.status.success(), "{}", text(&threads.stderr));
+    let mpi = output({
+        let mut c = mpirun(4);
+        c.arg(BIN).args(&args).args(["--launcher", "mpi"]);
+        c
+    });
+    assert!(
+        mpi.status.success(),
+        "{}\n{}",
+        text(&mpi.stdout),
+        text(&mpi.stderr)
+    );
+    let (a, b) = (
+        step_lines(&text(&threads.stdout)),
+        step_lines(&text(&mpi.stdout)),
+    );
+    assert_eq!(a.len(), 5, "{}", text(&threads.stdout));
+    assert_eq!(
+        a, b,
+        "the autoshard plan's step lines differ between threads and MPI"
+    );
+}
