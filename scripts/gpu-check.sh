@@ -7,7 +7,8 @@
 #      interpreter; every loss must agree within 1e-4 relative, or the script fails;
 #   3. speed: `bench` on `peer` and on two layers at 8b's width (dim 4096, ffn 14336, 32/8
 #      heads, vocab 32000, seq 1024), f32, with and without the `capture` pass, tokens/s and MFU as `bench`
-#      prints them; then the same with `--precision bf16-mixed`, which the device backends
+#      prints them (on `peer` also with the one-unit-per-output matmul instead of the tiled
+#      one); then the same with `--precision bf16-mixed`, which the device backends
 #      refuse today (the refusal is recorded, not hidden).
 #
 #   scripts/gpu-check.sh [OUT_DIR]
@@ -83,6 +84,9 @@ for config in peer 8b-width; do
   [ "$config" = 8b-width ] && file="$out/8b-width.ron"
   bench "$config-f32" "$file" --passes default
   bench "$config-f32-no-capture" "$file" --passes default --disable-pass capture
+  # The tiled matmul is cuda's default; the one-unit-per-output kernel beside it, on peer only
+  # (at 8b's width it would take minutes).
+  [ "$config" = peer ] && bench "$config-f32-per-output-matmul" "$file" --passes default --tuning device_matmul=per_output
   bench "$config-bf16" "$file" --passes default --precision bf16-mixed
   if [ $((SECONDS - started)) -gt 420 ]; then
     say "stopping early: $((SECONDS - started)) s spent"

@@ -804,6 +804,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
             .map_or(GemmKernel::Widest, |v| GemmKernel::from_setting(&v)),
         memory_limit_bytes,
         timeline: false,
+        device_matmul: Default::default(),
     })
 }
 
@@ -915,6 +916,11 @@ impl TrainArgs {
                 "--tuning gemm: the GEMM kernel is the cpu backend's; --backend {backend} has its own"
             ));
         }
+        if tuning.device_matmul.is_some() && !matches!(backend, Backend::Wgpu | Backend::Cuda) {
+            return Err(format!(
+                "--tuning device_matmul: the kernel is the device backends' (wgpu, cuda); --backend {backend} has its own"
+            ));
+        }
         let mesh = self.mesh.mesh_run_tuned(tuning)?;
         if mesh.is_some() && backend == Backend::Reference {
             return Err(
@@ -939,6 +945,7 @@ impl TrainArgs {
                 fusion: tuning.fusion,
                 runtime: RuntimeOptions {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
+                    device_matmul: tuning.device_matmul.unwrap_or(from_env.device_matmul),
                     ..from_env
                 },
                 precision: self.precision()?,

@@ -104,6 +104,9 @@ pub fn check_pipeline_tuned(
     if let Some(kernel) = tuning.gemm {
         optimized.runtime.gemm_kernel = kernel;
     }
+    if let Some(kernel) = tuning.device_matmul {
+        optimized.runtime.device_matmul = kernel;
+    }
     let mut opt =
         Trainer::build_on(model, cfg, backend, &optimized, mesh).map_err(|e| e.to_string())?;
     for _ in 0..steps {

@@ -1,17 +1,19 @@
 //! Settings that change how fast a step runs and never its graph: the lowering's fusion limits,
-//! the cpu backend's GEMM kernel, and the compute threads of each rank on a mesh. `--tuning`
+//! the cpu backend's GEMM kernel, the device backends' matmul kernel, and the compute threads of
+//! each rank on a mesh. `--tuning`
 //! sets them for `run`, `bench` and `search`; the search's setting knobs vary them, writing them
 //! after a candidate's passes in the same `name=value` form (`cse,capture,gemm=avx2`).
 
 use graphtrain_lowering::FusionLimits;
-use graphtrain_runtime::options::GemmKernel;
+use graphtrain_runtime::options::{DeviceMatmul, GemmKernel};
 
 /// The settings `--tuning` and the search know, in the order a candidate lists them.
-pub const SETTINGS: [&str; 5] = [
+pub const SETTINGS: [&str; 6] = [
     "fusion.max_map_inputs",
     "fusion.max_expr_nodes",
     "fusion.converge_hops",
     "gemm",
+    "device_matmul",
     "threads_per_rank",
 ];
 
@@ -21,6 +23,9 @@ pub struct Tuning {
     pub fusion: FusionLimits,
     /// The GEMM kernel (`GRAPHTRAIN_GEMM_KERNEL` when unset).
     pub gemm: Option<GemmKernel>,
+    /// The device backends' matmul kernel (tiled on `cuda`, one unit per output on `wgpu`,
+    /// when unset).
+    pub device_matmul: Option<DeviceMatmul>,
     /// Compute threads of each rank (a mesh's `--threads-per-rank` when unset).
     pub threads_per_rank: Option<usize>,
 }
@@ -49,6 +54,18 @@ impl Tuning {
                         "avx2" => GemmKernel::Avx2,
                         "scalar" => GemmKernel::Portable,
                         _ => return Err(format!("`{entry}`: `gemm` takes widest, avx2 or scalar")),
+                    })
+                }
+                "device_matmul" => {
+                    t.device_matmul = Some(match value {
+                        "auto" => DeviceMatmul::Auto,
+                        "tiled" => DeviceMatmul::Tiled,
+                        "per_output" => DeviceMatmul::PerOutput,
+                        _ => {
+                            return Err(format!(
+                                "`{entry}`: `device_matmul` takes auto, tiled or per_output"
+                            ))
+                        }
                     })
                 }
                 "threads_per_rank" => {

@@ -27,7 +27,7 @@ use graphtrain::gate::{self, RunRecord};
 use graphtrain_ir::{text, DType, Graph, HostTensor, TensorType};
 use graphtrain_lowering::Mode;
 use graphtrain_passes::testing::random_inputs;
-use graphtrain_runtime::{run_once, Backend};
+use graphtrain_runtime::{run_once, run_once_with, Backend, DeviceMatmul, RuntimeOptions};
 
 /// The names of `g`'s outputs, in order.
 fn output_names(g: &Graph) -> Vec<String> {
@@ -1304,5 +1304,71 @@ fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu(
             m_with.device_bytes,
             m_without.device_bytes
         );
+    }
+}
+
+/// The device backends' two matmul kernels: the tiled one (16 x 16 outputs per cube, operands
+/// staged in shared memory; the default on `cuda`) against the interpreter, and bit for bit
+/// against the one-unit-per-output kernel (each sums `k` in index order), on products smaller
+/// than a tile, spanning several with ragged edges, batched, and read through transposes.
+#[test]
+fn the_tiled_device_matmul_matches_the_per_output_one() {
+    let src = "graph g {
+  input %a: f32[3,37,45]
+  input %b: f32[3,45,29]
+  input %c: f32[5,7]
+  input %d: f32[7,3]
+  input %e: f32[40,33]
+  input %f: f32[50,33]
+  input %g: f32[40,21]
+  %7: f32[3,37,29] = matmul(%a, %b)
+  %8: f32[5,3] = matmul(%c, %d)
+  %9: f32[33,50] = transpose(%f, perm=[1,0])
+  %10: f32[40,50] = matmul(%e, %9)
+  %11: f32[33,40] = transpose(%e, perm=[1,0])
+  %12: f32[33,21] = matmul(%11, %g)
+  output p = %7
+  output q = %8
+  output r = %10
+  output s = %12
+}";
+    let g = text::parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let names = output_names(&g);
+    for backend in device_backends() {
+        for seed in 0..2 {
+            let inputs = random_inputs(&g, seed);
+            let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+            let with = |kernel| {
+                let options = RuntimeOptions {
+                    device_matmul: kernel,
+                    ..RuntimeOptions::default()
+                };
+                run_once_with(&g, backend, Mode::Fused, options, &inputs)
+                    .unwrap_or_else(|e| panic!("{backend} {kernel:?}: {e}"))
+            };
+            let tiled = with(DeviceMatmul::Tiled);
+            assert_outputs(
+                &format!("{backend} tiled matmul vs the interpreter (seed {seed})"),
+                &names,
+                &tiled,
+                &want,
+                Agree::Relative(1e-4),
+            );
+            assert_outputs(
+                &format!("{backend} tiled vs per-output matmul (seed {seed})"),
+                &names,
+                &tiled,
+                &with(DeviceMatmul::PerOutput),
+                Agree::Bitwise,
+            );
+            assert_outputs(
+                &format!("{backend} tiled matmul run again (seed {seed})"),
+                &names,
+                &with(DeviceMatmul::Tiled),
+                &tiled,
+                Agree::Bitwise,
+            );
+        }
     }
 }

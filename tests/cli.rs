@@ -1171,6 +1171,14 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
             "fusion.max_map_inputs=1",
             vec!["invalid fusion limits", "max_map_inputs = 1"],
         ),
+        (
+            "device_matmul=tiled",
+            vec!["--tuning device_matmul", "the device backends'"],
+        ),
+        (
+            "device_matmul=blocked",
+            vec!["--tuning", "auto, tiled or per_output"],
+        ),
     ] {
         let mut args = run.to_vec();
         args.push("--tuning");

@@ -38,7 +38,7 @@ pub use comm::{
 pub use compile::{
     compile, legalize, lower_for_backend, CompileOptions, CompileTimings, Compiled, Fingerprint,
 };
-pub use options::{GemmKernel, Profile, RuntimeOptions};
+pub use options::{DeviceMatmul, GemmKernel, Profile, RuntimeOptions};
 pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;
 pub use timeline::{Timeline, TimelineEvent};
@@ -250,7 +250,23 @@ pub fn run_once(
     mode: Mode,
     inputs: &[HostTensor],
 ) -> Result<Vec<HostTensor>, RuntimeError> {
-    let mut ex = load(g, backend, mode)?;
+    run_once_with(g, backend, mode, RuntimeOptions::default(), inputs)
+}
+
+/// `run_once` with the executor loaded under `runtime` (a kernel choice, say).
+pub fn run_once_with(
+    g: &Graph,
+    backend: Backend,
+    mode: Mode,
+    runtime: RuntimeOptions,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, RuntimeError> {
+    let pipeline = graphtrain_passes::Pipeline::new(Vec::new());
+    let options = CompileOptions {
+        runtime,
+        ..CompileOptions::new(&pipeline, mode)
+    };
+    let mut ex = compile(g, backend, &options)?.load(Box::new(SingleRank))?;
     let prog_inputs: Vec<ValueId> = ex.graph().inputs.iter().map(|i| i.value).collect();
     if prog_inputs.len() != inputs.len() {
         return Err(RuntimeError::Input(format!(

@@ -29,6 +29,19 @@ impl Profile {
     }
 }
 
+/// Which matmul kernel the device backends (`wgpu`, `cuda`) launch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceMatmul {
+    /// Tiled on `cuda`; one unit per output on `wgpu`, whose usual device here is lavapipe,
+    /// where a cube's barriers run on the CPU and cost more than the loads they save.
+    #[default]
+    Auto,
+    /// 16 x 16 outputs per cube, operands staged in shared memory (`matmul_tiled_kernel`).
+    Tiled,
+    /// One unit per output (`matmul_kernel`).
+    PerOutput,
+}
+
 /// What a loaded step may use and how it reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RuntimeOptions {
@@ -36,6 +49,8 @@ pub struct RuntimeOptions {
     /// Which GEMM kernel the cpu backend runs (the widest the cpu has by default; narrower ones
     /// for benchmarking them).
     pub gemm_kernel: GemmKernel,
+    /// Which matmul kernel the device backends launch.
+    pub device_matmul: DeviceMatmul,
     /// Host memory a new allocation may use, instead of the OS's estimate of what is available
     /// (to share a machine, or to try the does-not-fit path).
     pub memory_limit_bytes: Option<usize>,

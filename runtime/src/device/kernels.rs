@@ -52,6 +52,68 @@ pub fn matmul_kernel(
     }
 }
 
+/// The product `matmul_kernel` computes, a 16 x 16 tile of outputs per cube (`CubeDim` 16 x
+/// 16, cube `(x, y, z)` = (column tile, row tile, batch)): the cube stages 16-wide slices of
+/// `a`'s rows and `b`'s columns in shared memory, one element per unit, and each unit sums its
+/// output's `k` in index order as `matmul_kernel` does, so the two give the same bits where the
+/// device compiles `acc += x * y` alike. Each operand element is read from the arena once per
+/// tile instead of once per output: the kernel a GPU wants for large products.
+#[cube(launch_unchecked)]
+// Plain arithmetic (`(k + 15) / 16`) is what the cube macro expands; `div_ceil` it may not.
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub fn matmul_tiled_kernel(
+    arena: &mut [f32],
+    a: usize,
+    a_batch: usize,
+    a_row: usize,
+    a_col: usize,
+    b: usize,
+    b_batch: usize,
+    b_row: usize,
+    b_col: usize,
+    c: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let j = CUBE_POS_X as usize * 16 + tx;
+    let i = CUBE_POS_Y as usize * 16 + ty;
+    let batch = CUBE_POS_Z as usize;
+    let mut a_tile = Shared::<[f32]>::new_slice(256usize);
+    let mut b_tile = Shared::<[f32]>::new_slice(256usize);
+    let row = a + batch * a_batch + i * a_row;
+    let col = b + batch * b_batch + j * b_col;
+    let mut acc = f32::new(0.0);
+    let tiles = (k + 15) / 16;
+    for t in 0..tiles {
+        let ka = t * 16 + tx;
+        let mut va = f32::new(0.0);
+        if i < m && ka < k {
+            va = arena[row + ka * a_col];
+        }
+        a_tile[ty * 16 + tx] = va;
+        let kb = t * 16 + ty;
+        let mut vb = f32::new(0.0);
+        if j < n && kb < k {
+            vb = arena[col + kb * b_row];
+        }
+        b_tile[ty * 16 + tx] = vb;
+        sync_cube();
+        // Only the tile's real `k`: adding a padding zero could turn a -0 sum into +0.
+        for q in 0..16usize {
+            if t * 16 + q < k {
+                acc += a_tile[ty * 16 + q] * b_tile[q * 16 + tx];
+            }
+        }
+        sync_cube();
+    }
+    if i < m && j < n {
+        arena[c + (batch * m + i) * n + j] = acc;
+    }
+}
+
 /// Flags an index out of `[0, bound)` or not a whole number, among `n` indices at `index`,
 /// `stride` apart: writes its position + 1 into `arena[status]`. Which bad position wins when
 /// there are several is up to the schedule; each write is one whole float.

@@ -26,7 +26,7 @@
 pub mod composites;
 pub mod kernels;
 
-use crate::options::{Profile, RuntimeOptions};
+use crate::options::{DeviceMatmul, Profile, RuntimeOptions};
 use crate::shared::attention_shape::{attention_dims, Dims};
 use crate::shared::kernel_call::grid;
 use crate::shared::launches::{Grid, Launches};
@@ -44,7 +44,9 @@ use cubecl::prelude::*;
 use graphtrain_ir::{Graph, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
-use kernels::{check_indices_kernel, gather_kernel, matmul_kernel, scatter_add_kernel};
+use kernels::{
+    check_indices_kernel, gather_kernel, matmul_kernel, matmul_tiled_kernel, scatter_add_kernel,
+};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -151,6 +153,8 @@ pub struct DeviceExecutor {
     /// What the device's allocator reported the arena to take when it was created (its bytes
     /// in use after, less before): the measurement the plan's arena is checked against.
     arena_measured: u64,
+    /// Matmuls launch `matmul_tiled_kernel` (else `matmul_kernel`).
+    tiled_matmul: bool,
 }
 
 /// A collective's operand and result copied out of the device arena: the communicators move
@@ -223,6 +227,11 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             staged: HashMap::new(),
             host: HashMap::new(),
             arena_measured,
+            tiled_matmul: match options.device_matmul {
+                DeviceMatmul::Tiled => true,
+                DeviceMatmul::PerOutput => false,
+                DeviceMatmul::Auto => kind == DeviceKind::Cuda,
+            },
         };
         for (v, t) in &constants {
             exec.write(*v, t)?;
@@ -368,8 +377,38 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 if total == 0 {
                     return Ok(());
                 }
-                let (count, dim) = grid(units_for(total));
                 let (ao, bo) = (self.off(a.base) + a.offset, self.off(b.base) + b.offset);
+                if self.tiled_matmul {
+                    let count = CubeCount::Static(
+                        n.div_ceil(16) as u32,
+                        m.div_ceil(16) as u32,
+                        *batch as u32,
+                    );
+                    // SAFETY: as for `matmul_kernel` below; units past `m` or `n` read and
+                    // write nothing.
+                    unsafe {
+                        matmul_tiled_kernel::launch_unchecked(
+                            &self.client,
+                            count,
+                            CubeDim::new_2d(16, 16),
+                            self.buffer(),
+                            ao,
+                            a.strides[0],
+                            a.strides[1],
+                            a.strides[2],
+                            bo,
+                            b.strides[0],
+                            b.strides[1],
+                            b.strides[2],
+                            self.off(*out),
+                            *m,
+                            *n,
+                            *k,
+                        )
+                    };
+                    return Ok(());
+                }
+                let (count, dim) = grid(units_for(total));
                 // SAFETY: the views and the output lie inside the arena, the output apart from
                 // its operands (the planner never places an output over a live operand).
                 unsafe {
