@@ -8,8 +8,8 @@
 #   3. speed: `bench` on `peer` and on two layers at 8b's width (dim 4096, ffn 14336, 32/8
 #      heads, vocab 32000, seq 1024), f32, with and without the `capture` pass, tokens/s and MFU as `bench`
 #      prints them (on `peer` also with the one-unit-per-output matmul instead of the tiled
-#      one); then the same with `--precision bf16-mixed`, which the device backends
-#      refuse today (the refusal is recorded, not hidden).
+#      one); then the same with `--precision bf16-mixed` (on cuda its matmuls sum in f32 and
+#      round to bf16: no tensor cores yet).
 #
 #   scripts/gpu-check.sh [OUT_DIR]
 #

@@ -1078,9 +1078,10 @@ fn bf16_casts_elementwise_and_layout() {
     );
 }
 
-/// A matmul of bf16 operands on cpu: f32 sums rounded once to bf16, within one bf16 step
-/// (2^-8 relative) of the interpreter's f64 sums rounded to bf16; transposed operands and a
-/// transposed result included. The device backends refuse it with the reason.
+/// A matmul of bf16 operands: f32 sums rounded once to bf16, within one bf16 step (2^-8
+/// relative) of the interpreter's f64 sums rounded to bf16; transposed operands and a
+/// transposed result included; on cpu (`vdpbf16ps` where it has AVX512_BF16) and on the device
+/// backends with both matmul kernels.
 #[test]
 fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     let src = "graph g {
@@ -1116,15 +1117,36 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
             }
         }
     }
+    // The device backends, with either matmul kernel: the same rounding of an f32 sum.
     for backend in device_backends() {
-        let e = run_once(&g, backend, Mode::Fused, &random_inputs(&g, 0)).unwrap_err();
-        assert!(e.to_string().contains("no bf16 matmul yet"), "{e}");
+        for kernel in [DeviceMatmul::PerOutput, DeviceMatmul::Tiled] {
+            for seed in 0..2 {
+                let inputs = random_inputs(&g, seed);
+                let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+                let options = RuntimeOptions {
+                    device_matmul: kernel,
+                    ..RuntimeOptions::default()
+                };
+                let got = run_once_with(&g, backend, Mode::Fused, options, &inputs)
+                    .unwrap_or_else(|e| panic!("{backend} {kernel:?}: {e}"));
+                assert_outputs(
+                    &format!("bf16 matmuls, {backend} {kernel:?} (seed {seed})"),
+                    &names,
+                    &got,
+                    &want,
+                    Agree::Relative(1.0 / 256.0),
+                );
+                for x in &got[0].data {
+                    assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{x} is not a bf16 value");
+                }
+            }
+        }
     }
 }
 
-/// `tiny` under bf16-mixed on cpu against the interpreter under the same policy: after one
-/// AdamW step every first moment (0.1 x the gradient) within 1e-3 of its tensor's norm and
-/// every other tensor within 2e-3; five steps' losses within 1e-3. And bf16-mixed trains as f32
+/// `tiny` under bf16-mixed on cpu (and on the device backends) against the interpreter under
+/// the same policy: after one AdamW step every first moment (0.1 x the gradient) within 1e-3 of
+/// its tensor's norm and every other tensor within 2e-3; five steps' losses within 1e-3 (cpu). And bf16-mixed trains as f32
 /// does: after 20 steps its loss is within 1% of f32's.
 #[test]
 fn bf16_mixed_tiny_matches_the_interpreter_and_trains_as_f32() {
@@ -1140,25 +1162,39 @@ fn bf16_mixed_tiny_matches_the_interpreter_and_trains_as_f32() {
         .unwrap()
     };
     let (reference, cpu) = run(1);
-    for ((name, got), (_, want)) in cpu.state.iter().zip(&reference.state) {
-        let diff: f64 = got
-            .data
-            .iter()
-            .zip(&want.data)
-            .map(|(x, y)| (x - y) * (x - y))
-            .sum::<f64>()
-            .sqrt();
-        let norm: f64 = want.data.iter().map(|y| y * y).sum::<f64>().sqrt();
-        let rel = diff / norm;
-        let tolerance = if name.starts_with("opt.m.") {
-            1e-3
-        } else {
-            2e-3
-        };
-        assert!(
-            rel <= tolerance,
-            "{name}: {rel:.2e} of its norm from the interpreter's (bf16-mixed)"
-        );
+    let mut compared = vec![(Backend::Cpu, cpu)];
+    for backend in device_backends() {
+        let (_, device) = gate::train_on_backends_in(
+            "tiny",
+            1,
+            Precision::Bf16Mixed,
+            (Backend::Reference, Mode::Eager),
+            (backend, Mode::Fused),
+        )
+        .unwrap();
+        compared.push((backend, device));
+    }
+    for (backend, run) in &compared {
+        for ((name, got), (_, want)) in run.state.iter().zip(&reference.state) {
+            let diff: f64 = got
+                .data
+                .iter()
+                .zip(&want.data)
+                .map(|(x, y)| (x - y) * (x - y))
+                .sum::<f64>()
+                .sqrt();
+            let norm: f64 = want.data.iter().map(|y| y * y).sum::<f64>().sqrt();
+            let rel = diff / norm;
+            let tolerance = if name.starts_with("opt.m.") {
+                1e-3
+            } else {
+                2e-3
+            };
+            assert!(
+                rel <= tolerance,
+                "{backend} {name}: {rel:.2e} of its norm from the interpreter's (bf16-mixed)"
+            );
+        }
     }
     let (reference, cpu) = run(5);
     for (k, (got, want)) in cpu.losses.iter().zip(&reference.losses).enumerate() {

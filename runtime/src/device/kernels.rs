@@ -15,7 +15,8 @@
 use cubecl::prelude::*;
 
 /// `c[b, i, j] = Σ_k a[b, i, k] · b[b, k, j]` over strided `a` and `b` (element strides per
-/// batch, row and column), into a contiguous `[batch, m, n]` output at `c`.
+/// batch, row and column), into a contiguous `[batch, m, n]` output at `c`, rounded to bf16
+/// when `round_bf16` is 1.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_kernel(
@@ -33,6 +34,7 @@ pub fn matmul_kernel(
     n: usize,
     k: usize,
     total: usize,
+    round_bf16: u32,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
@@ -47,9 +49,28 @@ pub fn matmul_kernel(
         for kk in 0..k {
             acc += arena[row + kk * a_col] * arena[col + kk * b_row];
         }
-        arena[c + e] = acc;
+        arena[c + e] = rounded(acc, round_bf16);
         e += units;
     }
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even; NaN kept) when `round_bf16` is 1, as
+/// `graphtrain_ir::host_tensor::round_bf16` and the map kernels' `RoundBf16` do: a bf16 matmul
+/// (bf16-mixed) sums in f32 and rounds its result once.
+#[cube]
+// `x == x` is false for NaN only: the test the map kernels' `RoundBf16` makes too.
+#[allow(clippy::eq_op)]
+fn rounded(x: f32, round_bf16: u32) -> f32 {
+    let mut out = x;
+    if round_bf16 == 1 {
+        let bits = u32::reinterpret(x);
+        let kept_low = (bits >> 16) & 1;
+        let r = (bits + 32767 + kept_low) & 4294901760;
+        if x == x {
+            out = f32::reinterpret(r);
+        }
+    }
+    out
 }
 
 /// The product `matmul_kernel` computes, a 16 x 16 tile of outputs per cube (`CubeDim` 16 x
@@ -75,6 +96,7 @@ pub fn matmul_tiled_kernel(
     m: usize,
     n: usize,
     k: usize,
+    round_bf16: u32,
 ) {
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
@@ -110,7 +132,7 @@ pub fn matmul_tiled_kernel(
         sync_cube();
     }
     if i < m && j < n {
-        arena[c + (batch * m + i) * n + j] = acc;
+        arena[c + (batch * m + i) * n + j] = rounded(acc, round_bf16);
     }
 }
 

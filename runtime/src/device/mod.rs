@@ -173,17 +173,6 @@ impl DeviceExecutor {
         options: RuntimeOptions,
         comm: Box<dyn Communicator>,
     ) -> Result<Self, RuntimeError> {
-        let bf16_matmul = program.steps.iter().any(|s| {
-            matches!(s, Step::Matmul { out, .. }
-                if program.graph.ty(*out).dtype == graphtrain_ir::DType::BF16)
-        });
-        if bf16_matmul {
-            return Err(RuntimeError::Unavailable(format!(
-                "the {} backend has no bf16 matmul yet: --precision bf16-mixed runs on cpu and \
-the reference interpreter",
-                kind.name()
-            )));
-        }
         let device = kind.device()?;
         let client = open(&device, kind)?;
         // Whole vectors, plus one vector holding the index-check flag, then the tail.
@@ -378,6 +367,8 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                     return Ok(());
                 }
                 let (ao, bo) = (self.off(a.base) + a.offset, self.off(b.base) + b.offset);
+                // bf16-mixed: bf16 operands (held in f32 slots) summed in f32, rounded once.
+                let round_bf16 = u32::from(g.ty(*out).dtype == graphtrain_ir::DType::BF16);
                 if self.tiled_matmul {
                     let count = CubeCount::Static(
                         n.div_ceil(16) as u32,
@@ -404,6 +395,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                             *m,
                             *n,
                             *k,
+                            round_bf16,
                         )
                     };
                     return Ok(());
@@ -430,6 +422,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                         *n,
                         *k,
                         total,
+                        round_bf16,
                     )
                 };
             }
