@@ -1099,46 +1099,31 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     let g = text::parse(src).unwrap();
     graphtrain_ir::verify::verify(&g).unwrap();
     let names = output_names(&g);
+    // cpu eager and fused; the device backends with either matmul kernel.
+    let mut runs = vec![
+        (Backend::Cpu, Mode::Eager, DeviceMatmul::Auto),
+        (Backend::Cpu, Mode::Fused, DeviceMatmul::Auto),
+    ];
+    for backend in device_backends() {
+        for kernel in [DeviceMatmul::PerOutput, DeviceMatmul::Tiled] {
+            runs.push((backend, Mode::Fused, kernel));
+        }
+    }
     for seed in 0..2 {
         let inputs = random_inputs(&g, seed);
         let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-        for mode in [Mode::Eager, Mode::Fused] {
-            let got = run_once(&g, Backend::Cpu, mode, &inputs).unwrap();
-            assert_outputs(
-                &format!("bf16 matmuls, cpu {mode:?} (seed {seed})"),
-                &names,
-                &got,
-                &want,
-                Agree::Relative(1.0 / 256.0),
-            );
+        for &(backend, mode, kernel) in &runs {
+            let options = RuntimeOptions {
+                device_matmul: kernel,
+                ..RuntimeOptions::default()
+            };
+            let got = run_once_with(&g, backend, mode, options, &inputs)
+                .unwrap_or_else(|e| panic!("{backend} {mode:?} {kernel:?}: {e}"));
+            let what = format!("bf16 matmuls, {backend} {mode:?} {kernel:?} (seed {seed})");
+            assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 256.0));
             // Every element is a bf16 value.
             for x in &got[0].data {
-                assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{x} is not a bf16 value");
-            }
-        }
-    }
-    // The device backends, with either matmul kernel: the same rounding of an f32 sum.
-    for backend in device_backends() {
-        for kernel in [DeviceMatmul::PerOutput, DeviceMatmul::Tiled] {
-            for seed in 0..2 {
-                let inputs = random_inputs(&g, seed);
-                let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-                let options = RuntimeOptions {
-                    device_matmul: kernel,
-                    ..RuntimeOptions::default()
-                };
-                let got = run_once_with(&g, backend, Mode::Fused, options, &inputs)
-                    .unwrap_or_else(|e| panic!("{backend} {kernel:?}: {e}"));
-                assert_outputs(
-                    &format!("bf16 matmuls, {backend} {kernel:?} (seed {seed})"),
-                    &names,
-                    &got,
-                    &want,
-                    Agree::Relative(1.0 / 256.0),
-                );
-                for x in &got[0].data {
-                    assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{x} is not a bf16 value");
-                }
+                assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{what}: {x} is not bf16");
             }
         }
     }

@@ -25,11 +25,13 @@
 //!    copy of the weight in use is not counted.
 //! 3. An integer linear program (`milp`, solved by CBC) picks one candidate per class and one
 //!    combination per group, consistent with each other, under the memory limit, minimizing
-//!    the sum. Groups interact only through the residual stream, whose placement the global
-//!    choices fix, so the sum is a model; each proposal is then built whole (one and two blocks,
-//!    extrapolated to the model's depth: times add over nodes) and priced exactly, the proposal
-//!    is excluded, and the ILP proposes again, `proposals` times per global choice. The best
-//!    proposal by the exact price that fits the limit wins.
+//!    the sum. The groups' terms are exact only around the context they were priced in (the
+//!    other groups' placements), so the sum is a model; each proposal is then built whole (one
+//!    and two blocks, extrapolated to the model's depth: times add over nodes) and priced
+//!    exactly, excluded, and the ILP proposes again, `proposals` times; while nothing priced
+//!    fits the limit, it also proposes the least memory it can. Then the terms are priced again
+//!    around the best plan so far (at most `ROUNDS` times, until it stays). The best proposal by
+//!    the exact price that fits the limit wins.
 //!
 //! What it guarantees: the plan it returns is one `parallelize` accepts for this model and
 //! mesh, fits the memory limit by the exact price, and the cost it reports is that price; user
@@ -88,7 +90,6 @@ impl Fix {
             format!("`{s}`: expected PATTERN=DIM:PLACEMENT[,DIM:PLACEMENT], as in `*.wq.weight=tp:shard(0)`")
         })?;
         let mut placements = BTreeMap::new();
-        // Split on the commas between entries, not those inside a placement's parentheses.
         for entry in rest.split(',').filter(|e| !e.trim().is_empty()) {
             let (dim, p) = entry
                 .split_once(':')
@@ -772,8 +773,9 @@ building the step of a one-block model; FSDP against DDP is priced in closed for
 all-gathers and a reduce-scatter against an all-reduce; AdamW and 4 bytes per element on a \
 shard). An integer linear program (CBC) picks the cheapest consistent choice under \
 --memory-limit; each proposal is built whole and priced exactly (depth extrapolated from one \
-and two blocks), excluded, and the program asked again (--proposals times); the best priced \
-proposal that fits wins.\n\
+and two blocks), excluded, and the program asked again (--proposals times), then priced again \
+around the best plan so far; the best priced proposal that fits wins. `--world N` ranks every \
+mesh of N ranks with each pipeline on the simulator.\n\
 \n\
 Guarantees: the plan builds, fits the limit by its exact price, and keeps every --fix. \
 Declines: a --fix matching no parameter or naming a dimension the mesh lacks; a limit nothing \
