@@ -1059,8 +1059,9 @@ values, {} as the trainer's f64 host copies, and {} is available",
     }
 
     /// Continues from `ckpt`, which must come from the same run (`run`) and hold every parameter
-    /// and state tensor with its type (whole, or on an MPI rank its own part). The graph fingerprint may differ (another pass pipeline
-    /// over the same step): state is matched by name.
+    /// and state tensor with its type (whole, or on an MPI rank its own part). The graph
+    /// fingerprint may differ (another pass pipeline over the same step): state is matched by
+    /// name.
     pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
         self.need_whole_tensors("resume")?;
         if ckpt.header.run != *run {

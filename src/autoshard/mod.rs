@@ -20,9 +20,11 @@
 //!    combinations `parallelize` refuses are left out.
 //! 2. A class's `dp_shard` choice adds, in closed form at the same rates: the FSDP all-gather in
 //!    forward and again in backward plus the gradient's reduce-scatter, instead of the
-//!    gradient's all-reduce; AdamW on a shard (7 reads and writes of 4 bytes per element); and
-//!    4 bytes per element (parameter, gradient, two moments) divided by the shards. The gathered
-//!    copy of the weight in use is not counted.
+//!    gradient's all-reduce; the optimizer's update on a shard (it reads the parameter, the
+//!    gradient and each state tensor and writes the parameter and the states: 7 floats an
+//!    element for AdamW, 3 for SGD); and the bytes held per element (parameter, gradient and
+//!    the optimizer's states: 16 for AdamW, 8 for SGD) divided by the shards. The gathered copy
+//!    of the weight in use is not counted.
 //! 3. An integer linear program (`milp`, solved by CBC) picks one candidate per class and one
 //!    combination per group, consistent with each other, under the memory limit, minimizing
 //!    the sum. The groups' terms are exact only around the context they were priced in (the
@@ -375,6 +377,9 @@ impl<'a> Solver<'a> {
         let replicate_dims: Vec<usize> = mesh.dim(DP_REPLICATE).into_iter().collect();
         let r = &self.rates;
         let sum = Reduce::Sum;
+        // Per element, in floats: what the update reads and writes, and what a rank holds.
+        let states = self.opts.optim.optimizer.state_names().len() as f64;
+        let (update, held) = (3.0 + 2.0 * states, 2.0 + states);
         let sharded = 2.0
             * r.collective_seconds(Collective::AllGather { axis: 0 }, mesh, &[ds], bytes / n)
             + r.collective_seconds(
@@ -392,16 +397,16 @@ impl<'a> Solver<'a> {
                 &replicate_dims,
                 bytes / n,
             )
-            + r.memory_seconds(7.0 * bytes / n);
+            + r.memory_seconds(update * bytes / n);
         let replicated = r.collective_seconds(
             Collective::AllReduce { reduce: sum },
             mesh,
             &data_dims,
             bytes,
-        ) + r.memory_seconds(7.0 * bytes);
+        ) + r.memory_seconds(update * bytes);
         Delta {
             seconds: (sharded - replicated) * c.repeats,
-            bytes: 4.0 * bytes * (1.0 / n - 1.0) * c.repeats,
+            bytes: held * bytes * (1.0 / n - 1.0) * c.repeats,
         }
     }
 
@@ -770,8 +775,8 @@ read and written at the memory bandwidth times its efficiency), collectives as l
 bytes / bandwidth on the link of their group (--hardware, --link, --nodes), memory as the \
 liveness peak. Tensor-parallel choices of one module's parameters are priced together by \
 building the step of a one-block model; FSDP against DDP is priced in closed form (two \
-all-gathers and a reduce-scatter against an all-reduce; AdamW and 4 bytes per element on a \
-shard). An integer linear program (CBC) picks the cheapest consistent choice under \
+all-gathers and a reduce-scatter against an all-reduce; the optimizer's update and the \
+parameter, gradient and optimizer state held on a shard). An integer linear program (CBC) picks the cheapest consistent choice under \
 --memory-limit; each proposal is built whole and priced exactly (depth extrapolated from one \
 and two blocks), excluded, and the program asked again (--proposals times), then priced again \
 around the best plan so far; the best priced proposal that fits wins. `--world N` ranks every \
