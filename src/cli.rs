@@ -467,8 +467,9 @@ pub struct AutoshardArgs {
     #[arg(long, required_unless_present = "world", conflicts_with = "world")]
     pub mesh: Option<String>,
     /// Instead of one mesh, every `dp_shard` x `tp` mesh of this many ranks: each solved (the
-    /// fastest plan, and the fastest that fits the device's memory), simulated with each
-    /// pipeline of --survey-passes, ranked, and the one to run named with the reason.
+    /// fastest plan, and the fastest that fits the device's memory or, where none does before
+    /// the passes, the smallest), simulated with each pipeline of --survey-passes, ranked, and
+    /// the one to run named with the reason (--out writes its plan).
     #[arg(long)]
     pub world: Option<usize>,
     /// The pipelines --world simulates, `;`-separated.
