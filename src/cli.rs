@@ -1765,18 +1765,8 @@ fn autoshard(a: AutoshardArgs, registry: &Registry) -> Result<(), String> {
             .as_deref()
             .expect("clap requires --mesh without --world"),
     )?;
-    if hw.kind == crate::sim::hardware::Kind::Gpu && mesh.world_size() > a.nodes * hw.gpus_per_node
-    {
-        return Err(format!(
-            "--mesh {mesh} has {} ranks and {} node(s) of {} `{}` hold {}: give --nodes {}",
-            mesh.world_size(),
-            a.nodes,
-            hw.gpus_per_node,
-            hw.name,
-            a.nodes * hw.gpus_per_node,
-            mesh.world_size().div_ceil(hw.gpus_per_node)
-        ));
-    }
+    hw.check_fits(mesh.world_size(), a.nodes)
+        .map_err(|e| format!("--mesh {mesh} has {e}"))?;
     let memory_limit = a
         .memory_limit
         .as_deref()
@@ -1784,15 +1774,7 @@ fn autoshard(a: AutoshardArgs, registry: &Registry) -> Result<(), String> {
             graphtrain_passes::schedule::parse_bytes(m).map_err(|e| format!("--memory-limit: {e}"))
         })
         .transpose()?
-        .map(|b| b as f64)
-        .unwrap_or_else(|| {
-            // A device's memory, or a host's shared by its ranks.
-            let bytes = hw.memory_gib * (1u64 << 30) as f64;
-            match hw.kind {
-                crate::sim::hardware::Kind::Gpu => bytes,
-                crate::sim::hardware::Kind::Cpu => bytes / mesh.world_size() as f64,
-            }
-        });
+        .map_or_else(|| hw.memory_per_rank(mesh.world_size()), |b| b as f64);
     let fixed = a
         .fixed
         .iter()
@@ -1871,16 +1853,8 @@ fn autoshard_survey(
     if world == 0 {
         return Err("--world must be at least 1".into());
     }
-    if hw.kind == crate::sim::hardware::Kind::Gpu && world > a.nodes * hw.gpus_per_node {
-        return Err(format!(
-            "--world {world}: {} node(s) of {} `{}` hold {}: give --nodes {}",
-            a.nodes,
-            hw.gpus_per_node,
-            hw.name,
-            a.nodes * hw.gpus_per_node,
-            world.div_ceil(hw.gpus_per_node)
-        ));
-    }
+    hw.check_fits(world, a.nodes)
+        .map_err(|e| format!("--world {world}: {e}"))?;
     if a.memory_limit.is_some() {
         return Err("--memory-limit: with --world the limit is the device's memory".into());
     }

@@ -15,10 +15,9 @@
 //!
 //! On a `Cpu` host the ranks share its cores and memory bandwidth, as in the simulator.
 
-use crate::sim::hardware::{Hardware, Kind};
-use crate::sim::{link_for, Links};
-use graphtrain_ir::stats::{comm_bytes, node_flops};
-use graphtrain_ir::{DType, Graph, Mesh, Op};
+use crate::sim::Rates;
+use graphtrain_ir::stats::node_flops;
+use graphtrain_ir::{DType, Graph, Op};
 
 /// What one rank's step costs under the model.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -57,58 +56,6 @@ impl Cost {
     }
 }
 
-/// The rates one rank works at on `hw`.
-pub struct Rates<'a> {
-    hw: &'a Hardware,
-    links: Links,
-    /// Ranks sharing one device's compute and memory (the world on a cpu host, else 1).
-    share: f64,
-}
-
-impl<'a> Rates<'a> {
-    pub fn new(hw: &'a Hardware, links: Links, world: usize) -> Rates<'a> {
-        let share = match hw.kind {
-            Kind::Cpu => world as f64,
-            Kind::Gpu => 1.0,
-        };
-        Rates { hw, links, share }
-    }
-
-    fn bandwidth(&self) -> f64 {
-        self.hw.memory_gbps * 1e9 * self.hw.efficiency.memory / self.share
-    }
-
-    fn flop_rate(&self, dtype: DType, efficiency: f64) -> f64 {
-        let peak = match dtype {
-            DType::BF16 => self.hw.peak_gflops_bf16,
-            _ => self.hw.peak_gflops_f32,
-        };
-        peak * 1e9 * efficiency / self.share
-    }
-
-    /// Seconds of memory-bound work moving `bytes`.
-    pub fn memory_seconds(&self, bytes: f64) -> f64 {
-        bytes / self.bandwidth()
-    }
-
-    /// Seconds of `collective` on an operand of `bytes` over `dims` of `mesh`, as rank 0's
-    /// group runs it.
-    pub fn collective_seconds(
-        &self,
-        collective: graphtrain_ir::op::Collective,
-        mesh: &Mesh,
-        dims: &[usize],
-        bytes: f64,
-    ) -> f64 {
-        let group = mesh.group(0, dims);
-        if group.len() <= 1 {
-            return 0.0;
-        }
-        let sent = comm_bytes(collective, group.len(), bytes as usize);
-        link_for(self.hw, self.links, &group).seconds(sent)
-    }
-}
-
 /// Prices `g` (one rank's SPMD step).
 pub fn graph_cost(g: &Graph, rates: &Rates) -> Cost {
     let mut cost = Cost::default();
@@ -136,12 +83,11 @@ pub fn graph_cost(g: &Graph, rates: &Rates) -> Cost {
             op => {
                 let moved: f64 = node.inputs.iter().map(bytes).sum::<f64>()
                     + node.outputs.iter().map(bytes).sum::<f64>();
+                let efficiency = rates.hardware().efficiency;
                 let efficiency = match op {
-                    Op::Matmul => rates.hw.efficiency.matmul,
-                    Op::Attention { .. } | Op::AttentionBackward { .. } => {
-                        rates.hw.efficiency.attention
-                    }
-                    _ => rates.hw.efficiency.memory,
+                    Op::Matmul => efficiency.matmul,
+                    Op::Attention { .. } | Op::AttentionBackward { .. } => efficiency.attention,
+                    _ => efficiency.memory,
                 };
                 let dtype = node.outputs.first().map_or(DType::F32, |o| g.ty(*o).dtype);
                 let flops = node_flops(g, node);

@@ -139,22 +139,24 @@ pub fn solve(ilp: &Ilp, minimize: Minimize) -> Result<Option<(Vec<usize>, Delta)
         Err(ResolutionError::Infeasible) => return Ok(None),
         Err(e) => return Err(format!("the MILP solver (CBC) failed: {e}")),
     };
+    // The binary set to 1 among `vars` (the largest value, against solver round-off).
+    let taken = |vars: &[Variable]| {
+        (0..vars.len()).max_by(|&a, &b| solution.value(vars[a]).total_cmp(&solution.value(vars[b])))
+    };
     let mut total = ilp.base;
+    let mut add = |d: &Delta| {
+        total.seconds += d.seconds;
+        total.bytes += d.bytes;
+    };
     let mut chosen = Vec::with_capacity(ilp.classes.len());
-    for (c, class) in ilp.classes.iter().enumerate() {
-        let k = (0..class.candidates.len())
-            .max_by(|&a, &b| solution.value(x[c][a]).total_cmp(&solution.value(x[c][b])))
-            .ok_or("a class without candidates")?;
-        total.seconds += class.candidates[k].1.seconds;
-        total.bytes += class.candidates[k].1.bytes;
+    for (class, vars) in ilp.classes.iter().zip(&x) {
+        let k = taken(vars).ok_or("a class without candidates")?;
+        add(&class.candidates[k].1);
         chosen.push(k);
     }
-    for (g, group) in ilp.groups.iter().enumerate() {
-        let j = (0..group.combos.len())
-            .max_by(|&a, &b| solution.value(y[g][a]).total_cmp(&solution.value(y[g][b])))
-            .ok_or("a group without combinations")?;
-        total.seconds += group.combos[j].1.seconds;
-        total.bytes += group.combos[j].1.bytes;
+    for (group, vars) in ilp.groups.iter().zip(&y) {
+        let j = taken(vars).ok_or("a group without combinations")?;
+        add(&group.combos[j].1);
     }
     Ok(Some((chosen, total)))
 }

@@ -52,7 +52,8 @@ pub mod survey;
 
 use crate::sim::hardware::Hardware;
 use crate::sim::Links;
-use cost::{graph_cost, Cost, Rates};
+use crate::sim::Rates;
+use cost::{graph_cost, Cost};
 use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::mesh::{Mesh, Placement, Reduce};
 use graphtrain_ir::op::Collective;
@@ -347,13 +348,19 @@ impl<'a> Solver<'a> {
     /// extrapolated (every block is the same graph, so times add exactly; the peak memory is
     /// extrapolated the same way).
     pub fn price(&self, plan: &Plan) -> Result<Cost, String> {
-        let layers = self.opts.model.n_layers;
-        if layers <= 2 {
-            return self.price_at(plan, layers);
+        match self.opts.model.n_layers {
+            2 => self.price_at(plan, 2),
+            _ => self.price_from(plan, self.price_at(plan, 1)?),
         }
-        let one = self.price_at(plan, 1)?;
-        let two = self.price_at(plan, 2)?;
-        Ok(one.extrapolate(&two, (layers - 1) as f64))
+    }
+
+    /// `price`, given the one-block price already built.
+    fn price_from(&self, plan: &Plan, one: Cost) -> Result<Cost, String> {
+        match self.opts.model.n_layers {
+            1 => Ok(one),
+            2 => self.price_at(plan, 2),
+            layers => Ok(one.extrapolate(&self.price_at(plan, 2)?, (layers - 1) as f64)),
+        }
     }
 
     /// What class `c`'s candidate `k` adds over its `tp` placement with `dp_shard` replicated.
@@ -440,7 +447,7 @@ impl<'a> Solver<'a> {
     fn linearize(&self, global: Global, context: &[usize]) -> Result<(Linearized, Delta), String> {
         let at_context = self.tp_plan(context, global);
         let one = self.price_at(&at_context, 1)?;
-        let whole = self.price(&at_context)?;
+        let whole = self.price_from(&at_context, one)?;
         let mut out = Linearized {
             groups: Vec::new(),
             priced: 0,

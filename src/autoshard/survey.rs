@@ -61,10 +61,7 @@ pub fn survey(
     nodes: usize,
 ) -> Vec<Row> {
     let hw = opts.hardware;
-    let device_bytes = match hw.kind {
-        Kind::Gpu => hw.memory_gib * (1u64 << 30) as f64,
-        Kind::Cpu => hw.memory_gib * (1u64 << 30) as f64 / world as f64,
-    };
+    let device_bytes = hw.memory_per_rank(world);
     let mut rows = Vec::new();
     for mesh in meshes(opts, world) {
         let mut plans: Vec<(&'static str, Result<Plan, String>)> = Vec::new();

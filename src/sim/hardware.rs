@@ -76,6 +76,30 @@ pub fn builtin_names() -> Vec<&'static str> {
 }
 
 impl Hardware {
+    /// Refuses `world` ranks on `nodes` nodes of GPUs that cannot hold them: "`world` ranks and
+    /// ... hold ...: give --nodes N".
+    pub fn check_fits(&self, world: usize, nodes: usize) -> Result<(), String> {
+        if self.kind == Kind::Gpu && world > nodes * self.gpus_per_node {
+            return Err(format!(
+                "{world} ranks and {nodes} node(s) of {} `{}` hold {}: give --nodes {}",
+                self.gpus_per_node,
+                self.name,
+                nodes * self.gpus_per_node,
+                world.div_ceil(self.gpus_per_node)
+            ));
+        }
+        Ok(())
+    }
+
+    /// The memory one of `world` ranks has: a device's, or a cpu host's shared by its ranks.
+    pub fn memory_per_rank(&self, world: usize) -> f64 {
+        let bytes = self.memory_gib * (1u64 << 30) as f64;
+        match self.kind {
+            Kind::Gpu => bytes,
+            Kind::Cpu => bytes / world as f64,
+        }
+    }
+
     /// A built-in description by name, or a RON file's.
     pub fn load(name_or_file: &str) -> Result<Hardware, String> {
         if let Some((_, src)) = BUILTIN.iter().find(|(n, _)| *n == name_or_file) {

@@ -113,29 +113,11 @@ pub fn simulate(
 ) -> Result<Prediction, String> {
     let g = &program.graph;
     let world = g.mesh.as_ref().map_or(1, Mesh::world_size);
-    if hw.kind == Kind::Gpu && world > nodes * hw.gpus_per_node {
-        return Err(format!(
-            "the mesh has {world} ranks and {nodes} node(s) of {} `{}` hold {}: give --nodes {} \
-or a smaller mesh",
-            hw.gpus_per_node,
-            hw.name,
-            nodes * hw.gpus_per_node,
-            world.div_ceil(hw.gpus_per_node)
-        ));
-    }
-    // Ranks of a cpu host share its cores and memory.
-    let share = match hw.kind {
-        Kind::Cpu => world as f64,
-        Kind::Gpu => 1.0,
-    };
-    let bandwidth = hw.memory_gbps * 1e9 * hw.efficiency.memory / share;
-    let flop_rate = |dtype: DType, efficiency: f64| {
-        let peak = match dtype {
-            DType::BF16 => hw.peak_gflops_bf16,
-            _ => hw.peak_gflops_f32,
-        };
-        peak * 1e9 * efficiency / share
-    };
+    hw.check_fits(world, nodes)
+        .map_err(|e| format!("the mesh has {e} or a smaller mesh"))?;
+    let rates = Rates::new(hw, links, world);
+    let bandwidth = rates.bandwidth();
+    let flop_rate = |dtype: DType, efficiency: f64| rates.flop_rate(dtype, efficiency);
     let bytes = |v: ValueId| (g.ty(v).numel() * 4) as f64;
     let launch = hw.launch_us * 1e-6;
 
@@ -191,13 +173,11 @@ or a smaller mesh",
                     .mesh
                     .as_ref()
                     .ok_or("a collective in a graph without a mesh")?;
-                let group = mesh.group(0, mesh_dims);
-                let link = link_for(hw, links, &group);
-                let sent = comm_bytes(*collective, group.len(), g.ty(*src).numel() * 4);
+                let seconds = rates.collective_seconds(*collective, mesh, mesh_dims, bytes(*src));
                 let begin = compute.max(comm_free);
-                comm_free = begin + link.seconds(sent);
-                events.push((i, COMMUNICATION, at(begin), at(link.seconds(sent))));
-                p.comm_s += link.seconds(sent);
+                comm_free = begin + seconds;
+                events.push((i, COMMUNICATION, at(begin), at(seconds)));
+                p.comm_s += seconds;
                 p.collectives += 1;
                 ends.insert(*handle, comm_free);
                 ("launch", 0.0)
@@ -230,6 +210,65 @@ or a smaller mesh",
     p.step_s = compute.max(comm_free);
     p.timeline = graphtrain_runtime::Timeline::of_steps(program, events, at(p.step_s));
     Ok(p)
+}
+
+/// The rates one rank works at on `hw`: ranks of a cpu host share its cores and memory
+/// bandwidth; a collective runs on the link `link_for` picks for its group.
+pub struct Rates<'a> {
+    hw: &'a Hardware,
+    links: Links,
+    /// Ranks sharing one device's compute and memory (the world on a cpu host, else 1).
+    share: f64,
+}
+
+impl<'a> Rates<'a> {
+    pub fn new(hw: &'a Hardware, links: Links, world: usize) -> Rates<'a> {
+        let share = match hw.kind {
+            Kind::Cpu => world as f64,
+            Kind::Gpu => 1.0,
+        };
+        Rates { hw, links, share }
+    }
+
+    pub fn hardware(&self) -> &'a Hardware {
+        self.hw
+    }
+
+    /// Bytes a second of memory-bound work.
+    pub fn bandwidth(&self) -> f64 {
+        self.hw.memory_gbps * 1e9 * self.hw.efficiency.memory / self.share
+    }
+
+    /// FLOP a second at the peak of `dtype` times `efficiency`.
+    pub fn flop_rate(&self, dtype: DType, efficiency: f64) -> f64 {
+        let peak = match dtype {
+            DType::BF16 => self.hw.peak_gflops_bf16,
+            _ => self.hw.peak_gflops_f32,
+        };
+        peak * 1e9 * efficiency / self.share
+    }
+
+    /// Seconds of memory-bound work moving `bytes`.
+    pub fn memory_seconds(&self, bytes: f64) -> f64 {
+        bytes / self.bandwidth()
+    }
+
+    /// Seconds of `collective` on an operand of `bytes` over `dims` of `mesh`, as rank 0's
+    /// group runs it.
+    pub fn collective_seconds(
+        &self,
+        collective: graphtrain_ir::op::Collective,
+        mesh: &Mesh,
+        dims: &[usize],
+        bytes: f64,
+    ) -> f64 {
+        let group = mesh.group(0, dims);
+        if group.len() <= 1 {
+            return 0.0;
+        }
+        let sent = comm_bytes(collective, group.len(), bytes as usize);
+        link_for(self.hw, self.links, &group).seconds(sent)
+    }
 }
 
 /// The link a collective over `group` (ranks, row-major over the mesh) runs at: the emulated
