@@ -610,8 +610,10 @@ pub struct TrainArgs {
     /// Lowering and runtime settings that change speed, not the graph, as `name=value`
     /// comma-separated: `fusion.max_map_inputs`, `fusion.max_expr_nodes`,
     /// `fusion.converge_hops` (the lowering's fusion limits), `gemm` (`widest`, `avx2` or
-    /// `scalar`: the cpu GEMM kernel, refused elsewhere), `threads_per_rank` (on a mesh of
-    /// threads). `search` varies them and prints what it found in this form.
+    /// `scalar`: the cpu GEMM kernel, refused elsewhere), `device_matmul` (`auto`, `tiled` or
+    /// `per_output`: the wgpu and cuda matmul kernel; `auto` is tiled on cuda, per-output on
+    /// wgpu), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
+    /// it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,
     /// The element types the step computes in: `f32`, or `bf16-mixed` (torch autocast's
