@@ -612,7 +612,8 @@ pub struct TrainArgs {
     /// `fusion.converge_hops` (the lowering's fusion limits), `gemm` (`widest`, `avx2` or
     /// `scalar`: the cpu GEMM kernel, refused elsewhere), `device_matmul` (`auto`, `tiled` or
     /// `per_output`: the wgpu and cuda matmul kernel; `auto` is tiled on cuda, per-output on
-    /// wgpu), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
+    /// wgpu), `device_collectives` (`auto`, `nccl` or `host`: how cuda ranks move collectives;
+    /// `auto` is NCCL with several ranks), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
     /// it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,
@@ -808,6 +809,16 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         memory_limit_bytes,
         timeline: false,
         device_matmul: Default::default(),
+        device_collectives: Default::default(),
+        // The launcher's index of this process on its machine picks its GPU (OpenMPI, MPICH,
+        // Slurm); without one, a rank's index does.
+        device_index: [
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "SLURM_LOCALID",
+        ]
+        .iter()
+        .find_map(|name| var(name).and_then(|v| v.parse().ok())),
     })
 }
 
@@ -919,6 +930,11 @@ impl TrainArgs {
                 "--tuning gemm: the GEMM kernel is the cpu backend's; --backend {backend} has its own"
             ));
         }
+        if tuning.device_collectives.is_some() && backend != Backend::Cuda {
+            return Err(format!(
+                "--tuning device_collectives: how cuda ranks move collectives; --backend {backend} moves them through host memory"
+            ));
+        }
         if tuning.device_matmul.is_some() && !matches!(backend, Backend::Wgpu | Backend::Cuda) {
             return Err(format!(
                 "--tuning device_matmul: the kernel is the device backends' (wgpu, cuda); --backend {backend} has its own"
@@ -949,6 +965,9 @@ impl TrainArgs {
                 runtime: RuntimeOptions {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
                     device_matmul: tuning.device_matmul.unwrap_or(from_env.device_matmul),
+                    device_collectives: tuning
+                        .device_collectives
+                        .unwrap_or(from_env.device_collectives),
                     ..from_env
                 },
                 precision: self.precision()?,

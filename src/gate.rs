@@ -104,6 +104,9 @@ pub fn check_pipeline_tuned(
     if let Some(kernel) = tuning.gemm {
         optimized.runtime.gemm_kernel = kernel;
     }
+    if let Some(how) = tuning.device_collectives {
+        optimized.runtime.device_collectives = how;
+    }
     if let Some(kernel) = tuning.device_matmul {
         optimized.runtime.device_matmul = kernel;
     }

@@ -1,19 +1,20 @@
 //! Settings that change how fast a step runs and never its graph: the lowering's fusion limits,
-//! the cpu backend's GEMM kernel, the device backends' matmul kernel, and the compute threads of
-//! each rank on a mesh. `--tuning`
+//! the cpu backend's GEMM kernel, the device backends' matmul kernel and collectives, and the
+//! compute threads of each rank on a mesh. `--tuning`
 //! sets them for `run`, `bench` and `search`; the search's setting knobs vary them, writing them
 //! after a candidate's passes in the same `name=value` form (`cse,capture,gemm=avx2`).
 
 use graphtrain_lowering::FusionLimits;
-use graphtrain_runtime::options::{DeviceMatmul, GemmKernel};
+use graphtrain_runtime::options::{DeviceCollectives, DeviceMatmul, GemmKernel};
 
 /// The settings `--tuning` and the search know, in the order a candidate lists them.
-pub const SETTINGS: [&str; 6] = [
+pub const SETTINGS: [&str; 7] = [
     "fusion.max_map_inputs",
     "fusion.max_expr_nodes",
     "fusion.converge_hops",
     "gemm",
     "device_matmul",
+    "device_collectives",
     "threads_per_rank",
 ];
 
@@ -26,6 +27,9 @@ pub struct Tuning {
     /// The device backends' matmul kernel (tiled on `cuda`, one unit per output on `wgpu`,
     /// when unset).
     pub device_matmul: Option<DeviceMatmul>,
+    /// How the device backends move collectives (NCCL on `cuda` with several ranks, through
+    /// host memory otherwise, when unset).
+    pub device_collectives: Option<DeviceCollectives>,
     /// Compute threads of each rank (a mesh's `--threads-per-rank` when unset).
     pub threads_per_rank: Option<usize>,
 }
@@ -64,6 +68,18 @@ impl Tuning {
                         _ => {
                             return Err(format!(
                                 "`{entry}`: `device_matmul` takes auto, tiled or per_output"
+                            ))
+                        }
+                    })
+                }
+                "device_collectives" => {
+                    t.device_collectives = Some(match value {
+                        "auto" => DeviceCollectives::Auto,
+                        "nccl" => DeviceCollectives::Nccl,
+                        "host" => DeviceCollectives::Host,
+                        _ => {
+                            return Err(format!(
+                                "`{entry}`: `device_collectives` takes auto, nccl or host"
                             ))
                         }
                     })

@@ -1179,6 +1179,14 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
             "device_matmul=blocked",
             vec!["--tuning", "auto, tiled or per_output"],
         ),
+        (
+            "device_collectives=nccl",
+            vec!["--tuning device_collectives", "through host memory"],
+        ),
+        (
+            "device_collectives=gloo",
+            vec!["--tuning", "auto, nccl or host"],
+        ),
     ] {
         let mut args = run.to_vec();
         args.push("--tuning");

@@ -38,7 +38,7 @@ pub use comm::{
 pub use compile::{
     compile, legalize, lower_for_backend, CompileOptions, CompileTimings, Compiled, Fingerprint,
 };
-pub use options::{DeviceMatmul, GemmKernel, Profile, RuntimeOptions};
+pub use options::{DeviceCollectives, DeviceMatmul, GemmKernel, Profile, RuntimeOptions};
 pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;
 pub use timeline::{Timeline, TimelineEvent};

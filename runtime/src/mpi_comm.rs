@@ -81,15 +81,6 @@ pub fn finish() {
     }
 }
 
-/// The timeout of one wait.
-fn timeout() -> Duration {
-    std::env::var("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .map_or(Duration::from_secs(300), Duration::from_secs_f64)
-}
-
 impl MpiWorld {
     fn start() -> Result<MpiWorld, String> {
         let (tx, rx) = channel::<Request>();
@@ -142,7 +133,7 @@ impl MpiWorld {
             world: self,
             pending: Mutex::new(HashMap::new()),
             started: Mutex::new(0),
-            timeout: timeout(),
+            timeout: crate::comm::collective_timeout(),
             history: Mutex::new(VecDeque::with_capacity(HISTORY)),
             epoch: Instant::now(),
         }

@@ -42,6 +42,19 @@ pub enum DeviceMatmul {
     PerOutput,
 }
 
+/// How the device backends move a collective's data between ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceCollectives {
+    /// NCCL on `cuda` with several ranks; through host memory otherwise.
+    #[default]
+    Auto,
+    /// NCCL, device memory to device memory (`cuda` only).
+    Nccl,
+    /// Read back to host memory, moved by the rank's communicator (threads or MPI), written
+    /// back: correct on every device, as slow as two copies over the bus.
+    Host,
+}
+
 /// What a loaded step may use and how it reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RuntimeOptions {
@@ -51,6 +64,11 @@ pub struct RuntimeOptions {
     pub gemm_kernel: GemmKernel,
     /// Which matmul kernel the device backends launch.
     pub device_matmul: DeviceMatmul,
+    /// How the device backends move collectives.
+    pub device_collectives: DeviceCollectives,
+    /// Which GPU a `cuda` rank opens, before wrapping around the GPUs present: the rank's
+    /// index on its machine where the launcher says it (MPI), else the rank.
+    pub device_index: Option<usize>,
     /// Host memory a new allocation may use, instead of the OS's estimate of what is available
     /// (to share a machine, or to try the does-not-fit path).
     pub memory_limit_bytes: Option<usize>,

@@ -73,6 +73,18 @@ fn rounded(x: f32, round_bf16: u32) -> f32 {
     out
 }
 
+/// `arena[at..at + total]` rounded to bf16 in place (as `rounded` does): a bf16 sum that NCCL
+/// made in f32, rounded once, as the other collective engines round theirs.
+#[cube(launch_unchecked)]
+pub fn round_bf16_kernel(arena: &mut [f32], at: usize, total: usize) {
+    let units = CUBE_DIM as usize * CUBE_COUNT;
+    let mut e = ABSOLUTE_POS;
+    while e < total {
+        arena[at + e] = rounded(arena[at + e], 1u32);
+        e += units;
+    }
+}
+
 /// The product `matmul_kernel` computes, a 16 x 16 tile of outputs per cube (`CubeDim` 16 x
 /// 16, cube `(x, y, z)` = (column tile, row tile, batch)): the cube stages 16-wide slices of
 /// `a`'s rows and `b`'s columns in shared memory, one element per unit, and each unit sums its

@@ -7,10 +7,12 @@
 //!   preceded by an index check whose flag is read back before the step runs, so a bad index is
 //!   an error naming the step and position, never a silent wrong value;
 //! - iota and random values are computed on the host and written into the arena;
-//! - a collective (on a mesh) is staged through host memory: its start reads the operand back,
-//!   hands it to the rank's communicator (threads or MPI, as on `cpu`), and its wait writes the
-//!   result into the arena. Correct on every device, and as slow as two copies over the bus;
-//!   device-to-device transports (NCCL) are not built;
+//! - a collective (on a mesh) runs on NCCL on `cuda` (`nccl.rs`: device to device, on a stream
+//!   of its own; built, not yet run on a GPU); elsewhere, or with
+//!   `DeviceCollectives::Host`, it is staged through host memory: its start reads the operand
+//!   back, hands it to the rank's communicator (threads or MPI, as on `cpu`), and its wait
+//!   writes the result into the arena. Correct on every device, and as slow as two copies
+//!   over the bus;
 //! - the composites the lowering keeps as one step (attention and its backward, rope,
 //!   cross-entropy and its backward, AdamW) launch `composites.rs`. Their rope angle
 //!   tables (written once at load) and the per-row statistics of their reductions (scratch that
@@ -25,8 +27,11 @@
 
 pub mod composites;
 pub mod kernels;
+#[cfg(feature = "cuda")]
+mod nccl;
+pub mod nccl_plan;
 
-use crate::options::{DeviceMatmul, Profile, RuntimeOptions};
+use crate::options::{DeviceCollectives, DeviceMatmul, Profile, RuntimeOptions};
 use crate::shared::attention_shape::{attention_dims, Dims};
 use crate::shared::kernel_call::grid;
 use crate::shared::launches::{Grid, Launches};
@@ -91,10 +96,42 @@ impl DeviceKind {
 
     /// The device, or what is missing and how to get it.
     pub fn device(self) -> Result<cubecl::Device, RuntimeError> {
+        self.device_at(0)
+    }
+
+    /// Which of this kind's devices rank index `index` opens: `cuda` wraps the index around
+    /// the GPUs present (one rank a GPU where there are as many); `wgpu` opens its default
+    /// adapter.
+    pub fn ordinal(self, index: usize) -> Result<usize, RuntimeError> {
+        match self {
+            DeviceKind::Wgpu => Ok(0),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => {
+                use cudarc::driver::result as cu;
+                // cudarc loads the driver on first use and panics without one; the caller
+                // has opened device 0 by now, so a panic here is not expected, only guarded.
+                let count =
+                    std::panic::catch_unwind(|| cu::init().and_then(|()| cu::device::get_count()))
+                        .map_err(|_| "the CUDA driver could not be loaded".to_string())
+                        .and_then(|r| r.map_err(|e| format!("{e:?}")))
+                        .map_err(|e| {
+                            RuntimeError::Unavailable(format!(
+                                "backend `cuda` could not count the GPUs: {e}"
+                            ))
+                        })?;
+                Ok(index % (count.max(1) as usize))
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceKind::Cuda => Ok(0),
+        }
+    }
+
+    /// Device `ordinal` of this kind (`device_at(0)` is `device()`).
+    pub fn device_at(self, ordinal: usize) -> Result<cubecl::Device, RuntimeError> {
         use cubecl::device::{DeviceUnavailable, WgpuDeviceKind};
         let found = match self {
             DeviceKind::Wgpu => cubecl::Device::wgpu(WgpuDeviceKind::default()),
-            DeviceKind::Cuda => cubecl::Device::cuda(0),
+            DeviceKind::Cuda => cubecl::Device::cuda(ordinal),
         };
         found.map_err(|e| {
             RuntimeError::Unavailable(match (self, e) {
@@ -155,6 +192,17 @@ pub struct DeviceExecutor {
     arena_measured: u64,
     /// Matmuls launch `matmul_tiled_kernel` (else `matmul_kernel`).
     tiled_matmul: bool,
+    /// Collectives through NCCL (`cuda` with several ranks), else staged through the host.
+    #[cfg(feature = "cuda")]
+    nccl: Option<NcclRank>,
+}
+
+/// A rank's NCCL groups, and the arena's device address kept valid while they use it.
+#[cfg(feature = "cuda")]
+struct NcclRank {
+    // Dropped first: NCCL's stream finishes before the arena's address is released.
+    world: nccl::Nccl,
+    _arena: Box<dyn std::any::Any + Send>,
 }
 
 /// A collective's operand and result copied out of the device arena: the communicators move
@@ -173,7 +221,10 @@ impl DeviceExecutor {
         options: RuntimeOptions,
         comm: Box<dyn Communicator>,
     ) -> Result<Self, RuntimeError> {
-        let device = kind.device()?;
+        // The first device answers whether the kind is here at all, with its own errors.
+        kind.device()?;
+        let ordinal = kind.ordinal(options.device_index.unwrap_or(comm.rank()))?;
+        let device = kind.device_at(ordinal)?;
         let client = open(&device, kind)?;
         // Whole vectors, plus one vector holding the index-check flag, then the tail.
         let len = program.arena_elems().next_multiple_of(VECTOR);
@@ -221,7 +272,26 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 DeviceMatmul::PerOutput => false,
                 DeviceMatmul::Auto => kind == DeviceKind::Cuda,
             },
+            #[cfg(feature = "cuda")]
+            nccl: None,
         };
+        let nccl = match options.device_collectives {
+            DeviceCollectives::Host => false,
+            DeviceCollectives::Auto => kind == DeviceKind::Cuda && exec.comm.world_size() > 1,
+            DeviceCollectives::Nccl => {
+                if kind != DeviceKind::Cuda {
+                    return Err(RuntimeError::Unavailable(format!(
+                        "NCCL collectives are the cuda backend's; the {} backend moves \
+collectives through host memory (device_collectives=host or auto)",
+                        kind.name()
+                    )));
+                }
+                exec.comm.world_size() > 1
+            }
+        };
+        if nccl {
+            exec.join_nccl(ordinal)?;
+        }
         for (v, t) in &constants {
             exec.write(*v, t)?;
         }
@@ -235,6 +305,54 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
 
     fn off(&self, v: ValueId) -> usize {
         self.program.elem_offset(v)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn join_nccl(&mut self, ordinal: usize) -> Result<(), RuntimeError> {
+        type Server = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+        let arena = self
+            .client
+            .get_resource::<Server>(self.arena.clone())
+            .map_err(|e| {
+                RuntimeError::Backend(format!("NCCL: the arena's device address: {e:?}"))
+            })?;
+        let address = arena.resource().ptr;
+        let world = nccl::Nccl::join(
+            &self.program,
+            self.comm.as_ref(),
+            ordinal,
+            address,
+            crate::comm::collective_timeout(),
+        )?;
+        self.nccl = Some(NcclRank {
+            world,
+            _arena: Box::new(arena),
+        });
+        Ok(())
+    }
+
+    /// Rounds the arena's elements `at..at + len` to bf16 (a bf16 sum NCCL made in f32).
+    #[cfg(feature = "cuda")]
+    fn round_to_bf16(&self, at: usize, len: usize) {
+        let (count, dim) = grid(units_for(len));
+        // SAFETY: the range is a collective's result inside the arena.
+        unsafe {
+            kernels::round_bf16_kernel::launch_unchecked(
+                &self.client,
+                count,
+                dim,
+                self.buffer(),
+                at,
+                len,
+            )
+        };
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn join_nccl(&mut self, _ordinal: usize) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unavailable(
+            "NCCL collectives need graphtrain built with `--features cuda`".to_string(),
+        ))
     }
 
     /// Waits for every queued launch.
@@ -559,6 +677,26 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 src,
                 handle,
             } => {
+                #[cfg(feature = "cuda")]
+                if self.nccl.is_some() {
+                    // The operand must be written before NCCL's stream reads it.
+                    self.sync()?;
+                    let (src_at, dst_at) = (self.off(*src), self.off(*handle));
+                    let call = crate::comm::CollectiveCall::new(
+                        g,
+                        self.comm.rank(),
+                        *collective,
+                        mesh_dims,
+                        (*src, std::ptr::null()),
+                        (*handle, std::ptr::null_mut()),
+                    )?;
+                    if let Some(rank) = self.nccl.as_mut() {
+                        // SAFETY: the planner keeps the operand and the handle's bytes for
+                        // this collective until its wait; no launch touches them meanwhile.
+                        unsafe { rank.world.start(&call, src_at, dst_at)? };
+                    }
+                    return Ok(());
+                }
                 // Reading the operand waits for the launches that produce it.
                 let src_elems = g.ty(*src).numel();
                 let mut staged = Staged {
@@ -579,6 +717,13 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 self.staged.insert(handle.index(), staged);
             }
             Step::Wait { handle, .. } => {
+                #[cfg(feature = "cuda")]
+                if let Some(rank) = self.nccl.as_mut() {
+                    if let Some((at, len)) = rank.world.wait(handle.index())? {
+                        self.round_to_bf16(at, len);
+                    }
+                    return Ok(());
+                }
                 self.comm.wait(handle.index())?;
                 let staged = self.staged.remove(&handle.index()).ok_or_else(|| {
                     RuntimeError::Backend(format!(
