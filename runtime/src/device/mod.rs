@@ -121,8 +121,9 @@ impl DeviceKind {
                         })?;
                 Ok(index % (count.max(1) as usize))
             }
+            // Without `cuda` compiled in, opening the device fails first.
             #[cfg(not(feature = "cuda"))]
-            DeviceKind::Cuda => Ok(0),
+            DeviceKind::Cuda => Ok(index.min(0)),
         }
     }
 
