@@ -338,6 +338,13 @@ impl<'t> Tensor<'t> {
     pub fn embedding(self, ids: Tensor<'t>) -> R<'t> {
         self.tracer.op1(Op::Embedding, &[self, ids])
     }
+    /// `op` applied to `self` then `rest`, for ops without a method of their own (a frontend
+    /// translating another framework's ops one by one).
+    pub fn apply(self, op: Op, rest: &[Tensor<'t>]) -> R<'t> {
+        let mut inputs = vec![self];
+        inputs.extend_from_slice(rest);
+        self.tracer.op1(op, &inputs)
+    }
     /// Mean cross-entropy of `self` (logits `[N, V]`) against `targets` `[N]`.
     pub fn cross_entropy(self, targets: Tensor<'t>) -> R<'t> {
         self.tracer.op1(Op::CrossEntropy, &[self, targets])
