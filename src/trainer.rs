@@ -83,7 +83,7 @@ pub fn build_step(
     dtype: DType,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    build_from_forward(model, dtype, Precision::F32, |forward| {
+    build_from_forward(model, dtype, Precision::F32, None, |forward| {
         build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
     })
 }
@@ -94,26 +94,44 @@ pub fn build_step_in(
     precision: Precision,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    build_from_forward(model, DType::F32, precision, |forward| {
+    build_from_forward(model, DType::F32, precision, None, |forward| {
         build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
     })
 }
 
-/// Traces `model`'s forward pass and loss in `dtype`, makes the train step of it with
-/// `to_step` (backward and optimizer, for one device or every rank), and verifies the result.
+/// A forward pass and loss from elsewhere than graphtrain's Llama (a frontend's import, such as
+/// the burn frontend's), with its parameters' starting values. The trainer builds the train
+/// step from it as from a traced model; the `Llama3Config` it is given beside describes the
+/// batches (batch, sequence, vocabulary) and the FLOPs that MFU counts.
+#[derive(Clone, Debug)]
+pub struct ImportedModel {
+    /// Output `loss`, a scalar; inputs `tokens` and `targets`, i32 `[batch, seq]`.
+    pub forward: graphtrain_ir::Traced,
+    /// Every parameter's starting value, by name.
+    pub initial: Vec<(String, HostTensor)>,
+}
+
+/// Traces `model`'s forward pass and loss in `dtype` (or takes `imported`'s), makes the train
+/// step of it with `to_step` (backward and optimizer, for one device or every rank), and
+/// verifies the result.
 fn build_from_forward(
     model: &Llama3Config,
     dtype: DType,
     precision: Precision,
+    imported: Option<&ImportedModel>,
     to_step: impl FnOnce(graphtrain_ir::Traced) -> Result<TrainStep, String>,
 ) -> Result<Traced, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
     let t0 = Instant::now();
-    let mut forward = tracing::info_span!("trace")
-        .in_scope(|| model.trace(dtype))
-        .map_err(|e| err(format!("tracing failed: {e}")))?;
+    let mut forward = match imported {
+        Some(m) if dtype == DType::F32 => m.forward.clone(),
+        Some(_) => return Err(err("an imported model trains in f32 (or bf16-mixed)")),
+        None => tracing::info_span!("trace")
+            .in_scope(|| model.trace(dtype))
+            .map_err(|e| err(format!("tracing failed: {e}")))?,
+    };
     forward.graph = autocast(&forward.graph, precision)
         .map_err(|e| err(format!("--precision {}: {e}", precision.name())))?;
     let t1 = Instant::now();
@@ -291,8 +309,20 @@ pub fn build_spmd_step_in(
     optim: &OptimConfig,
     precision: Precision,
 ) -> Result<Traced, TrainError> {
+    build_spmd_step_from(model, None, mesh, plan, optim, precision)
+}
+
+/// `build_spmd_step_in` from `imported`'s forward where one is given.
+fn build_spmd_step_from(
+    model: &Llama3Config,
+    imported: Option<&ImportedModel>,
+    mesh: &Mesh,
+    plan: &Plan,
+    optim: &OptimConfig,
+    precision: Precision,
+) -> Result<Traced, TrainError> {
     check_heads_split(model, mesh)?;
-    build_from_forward(model, DType::F32, precision, |forward| {
+    build_from_forward(model, DType::F32, precision, imported, |forward| {
         parallelize(forward, mesh, plan, optim)
             .map(|p| p.step)
             .map_err(|e| format!("--mesh {mesh}: {e}"))
@@ -506,14 +536,45 @@ impl Trainer {
         options: &CompileOptions<'_>,
         mesh: Option<&MeshRun>,
     ) -> Result<Self, TrainError> {
+        Self::build_from(model, None, cfg, backend, options, mesh)
+    }
+
+    /// `build_on` for a model imported from another framework (`imported`), whose batches and
+    /// FLOPs `model` describes.
+    pub fn build_imported(
+        model: &Llama3Config,
+        imported: &ImportedModel,
+        cfg: TrainConfig,
+        backend: Backend,
+        options: &CompileOptions<'_>,
+        mesh: Option<&MeshRun>,
+    ) -> Result<Self, TrainError> {
+        Self::build_from(model, Some(imported), cfg, backend, options, mesh)
+    }
+
+    fn build_from(
+        model: &Llama3Config,
+        imported: Option<&ImportedModel>,
+        cfg: TrainConfig,
+        backend: Backend,
+        options: &CompileOptions<'_>,
+        mesh: Option<&MeshRun>,
+    ) -> Result<Self, TrainError> {
         if let DataSource::Text(text) = &cfg.data {
             check_text_fits(text, model)?;
         }
         let Traced { step, mut timings } = match mesh {
-            Some(run) => {
-                build_spmd_step_in(model, &run.mesh, &run.plan, &cfg.optim, options.precision)?
-            }
-            None => build_step_in(model, options.precision, &cfg.optim)?,
+            Some(run) => build_spmd_step_from(
+                model,
+                imported,
+                &run.mesh,
+                &run.plan,
+                &cfg.optim,
+                options.precision,
+            )?,
+            None => build_from_forward(model, DType::F32, options.precision, imported, |f| {
+                build_train_step(f, "loss", &cfg.optim).map_err(|e| e.to_string())
+            })?,
         };
         let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
         let passes = std::mem::take(&mut compiled.passes);
@@ -593,7 +654,25 @@ values, {} as the trainer's f64 host copies, and {} is available",
                         .ok_or_else(|| {
                             err(format!("parameter `{}` has no init spec", input.name))
                         })?;
-                    init_param(&ty, spec.init, cfg.seed, index)
+                    let given =
+                        imported.and_then(|m| m.initial.iter().find(|(n, _)| *n == input.name));
+                    match given {
+                        Some((name, value)) if value.ty != ty => {
+                            return Err(err(format!(
+                                "parameter `{name}`: the imported value is {} where the step \
+has {ty}",
+                                value.ty
+                            )))
+                        }
+                        Some((_, value)) => value.clone(),
+                        None if imported.is_some() => {
+                            return Err(err(format!(
+                                "parameter `{}` has no imported value",
+                                input.name
+                            )))
+                        }
+                        None => init_param(&ty, spec.init, cfg.seed, index),
+                    }
                 }
                 _ => HostTensor::zeros(ty),
             };

@@ -53,6 +53,12 @@ impl fmt::Display for ImportError {
 
 impl std::error::Error for ImportError {}
 
+impl From<ImportError> for String {
+    fn from(e: ImportError) -> String {
+        e.message
+    }
+}
+
 /// A burn module's loss as a graphtrain forward graph, and its parameters' values.
 #[derive(Debug)]
 pub struct Imported {
