@@ -819,6 +819,11 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         ]
         .iter()
         .find_map(|name| var(name).and_then(|v| v.parse().ok())),
+        collective_timeout: var("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S")
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map(std::time::Duration::from_secs_f64),
+        flight_dir: var("GRAPHTRAIN_FLIGHT_DIR").map(std::path::PathBuf::from),
     })
 }
 

@@ -253,13 +253,17 @@ fn mpi_all_gather(_: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
 
 /// The communicator of this process's rank of its MPI job.
 #[cfg(feature = "mpi")]
-fn mpi_communicator() -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
+fn mpi_communicator(
+    options: &graphtrain_runtime::RuntimeOptions,
+) -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
     let world = graphtrain_runtime::mpi_comm::world().map_err(err)?;
-    Ok(Box::new(world.communicator()))
+    Ok(Box::new(world.communicator(options)))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi_communicator() -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
+fn mpi_communicator(
+    _: &graphtrain_runtime::RuntimeOptions,
+) -> Result<Box<dyn graphtrain_runtime::Communicator>, TrainError> {
     mpi_rank().map(|_| unreachable!("mpi_rank fails without the feature"))
 }
 
@@ -408,7 +412,10 @@ fn load(
         Ranks::Threads(threads, links) => compiled.load_ranks_over(threads, links.to_vec()),
         Ranks::One => compiled.load(Box::new(SingleRank)),
         Ranks::FakeRankZero => compiled.load(Box::new(FakeRank { rank: 0, world })),
-        Ranks::Mpi { .. } => compiled.load(mpi_communicator()?),
+        Ranks::Mpi { .. } => {
+            let comm = mpi_communicator(&compiled.runtime)?;
+            compiled.load(comm)
+        }
     }
     .map_err(err)?;
     write_inputs(exec.as_mut(), slots)?;

@@ -98,16 +98,6 @@ impl CollectiveCall {
     }
 }
 
-/// How long a wait for a collective of a process-spanning engine (MPI, NCCL) may take before
-/// it fails instead of hanging: `GRAPHTRAIN_COLLECTIVE_TIMEOUT_S` seconds, default 300.
-pub fn collective_timeout() -> Duration {
-    std::env::var("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .map_or(Duration::from_secs(300), Duration::from_secs_f64)
-}
-
 /// This rank's place in its run, and its collectives.
 pub trait Communicator: Send {
     /// This rank's index, `0..world_size()`.

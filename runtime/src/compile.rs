@@ -98,7 +98,7 @@ pub struct Compiled {
     /// The lowered step; `None` on the interpreter.
     pub program: Option<Program>,
     pub timings: CompileTimings,
-    pub(crate) runtime: RuntimeOptions,
+    pub runtime: RuntimeOptions,
 }
 
 /// Runs `options.pipeline` on `graph`, then legalizes and lowers the result for `backend`.

@@ -15,11 +15,11 @@
 //! bitwise the threads engine's on the same mesh. That moves each operand to every member,
 //! more than a ring reduce-scatter would; bit-for-bit agreement comes first.
 //!
-//! A wait that does not complete within the timeout (`GRAPHTRAIN_COLLECTIVE_TIMEOUT_S`, default
-//! 300) fails with the collective's sequence number, kind and group instead of hanging: another
+//! A wait that does not complete within the timeout (`RuntimeOptions::collective_timeout`, which
+//! the CLI reads from `GRAPHTRAIN_COLLECTIVE_TIMEOUT_S`, default 300) fails with the collective's sequence number, kind and group instead of hanging: another
 //! member is stuck or dead. Which one is not known from here (MPI does not say), so the rank
 //! writes its last collectives, started and finished, to `graphtrain-rankR-collectives.txt` (in
-//! `GRAPHTRAIN_FLIGHT_DIR`, default the working directory): the ranks' files side by side show
+//! `RuntimeOptions::flight_dir`, from `GRAPHTRAIN_FLIGHT_DIR`, default the working directory): the ranks' files side by side show
 //! where each stopped.
 //!
 //! `finish` must run before the process exits (MPI_Finalize); `mpirun` treats a rank that
@@ -127,13 +127,18 @@ impl MpiWorld {
             .map_err(|_| RuntimeError::Input("the MPI thread stopped during a gather".into()))
     }
 
-    /// The communicator an executor of this rank is given.
-    pub fn communicator(&'static self) -> MpiComm {
+    /// The communicator an executor of this rank is given, with `options`' collective timeout
+    /// and flight-record directory.
+    pub fn communicator(&'static self, options: &crate::RuntimeOptions) -> MpiComm {
         MpiComm {
             world: self,
             pending: Mutex::new(HashMap::new()),
             started: Mutex::new(0),
-            timeout: crate::comm::collective_timeout(),
+            timeout: options.collective_timeout(),
+            flight_dir: options
+                .flight_dir
+                .clone()
+                .unwrap_or_else(|| std::path::PathBuf::from(".")),
             history: Mutex::new(VecDeque::with_capacity(HISTORY)),
             epoch: Instant::now(),
         }
@@ -237,6 +242,7 @@ pub struct MpiComm {
     /// Collectives started so far: the sequence number of the next.
     started: Mutex<usize>,
     timeout: Duration,
+    flight_dir: std::path::PathBuf,
     /// The last `HISTORY` collectives: sequence, what, when started and finished.
     history: Mutex<VecDeque<Record>>,
     epoch: Instant,
@@ -257,9 +263,7 @@ struct Record {
 impl MpiComm {
     /// Writes the flight record; returns where.
     fn dump_history(&self) -> Result<std::path::PathBuf, std::io::Error> {
-        let dir = std::env::var_os("GRAPHTRAIN_FLIGHT_DIR")
-            .map_or_else(|| std::path::PathBuf::from("."), std::path::PathBuf::from);
-        let path = dir.join(format!(
+        let path = self.flight_dir.join(format!(
             "graphtrain-rank{}-collectives.txt",
             self.world.rank
         ));

@@ -69,6 +69,12 @@ pub struct RuntimeOptions {
     /// Which GPU a `cuda` rank opens, before wrapping around the GPUs present: the rank's
     /// index on its machine where the launcher says it (MPI), else the rank.
     pub device_index: Option<usize>,
+    /// How long a wait for a collective of a process-spanning engine (MPI, NCCL) may take
+    /// before it fails instead of hanging (300 s when unset).
+    pub collective_timeout: Option<std::time::Duration>,
+    /// Where a rank whose collective timed out writes its last collectives (the working
+    /// directory when unset).
+    pub flight_dir: Option<std::path::PathBuf>,
     /// Host memory a new allocation may use, instead of the OS's estimate of what is available
     /// (to share a machine, or to try the does-not-fit path).
     pub memory_limit_bytes: Option<usize>,
@@ -78,6 +84,12 @@ pub struct RuntimeOptions {
 }
 
 impl RuntimeOptions {
+    /// `collective_timeout`, or its default.
+    pub fn collective_timeout(&self) -> std::time::Duration {
+        self.collective_timeout
+            .unwrap_or(std::time::Duration::from_secs(300))
+    }
+
     /// Host memory a new allocation may use: the limit when one is set, else the OS's estimate
     /// of available memory (Linux `MemAvailable`); `None` when neither is known.
     pub fn available_memory_bytes(&self) -> Option<usize> {

@@ -197,6 +197,8 @@ pub struct DeviceExecutor {
     /// Collectives through NCCL (`cuda` with several ranks), else staged through the host.
     #[cfg(feature = "cuda")]
     nccl: Option<NcclRank>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    collective_timeout: std::time::Duration,
 }
 
 /// A rank's NCCL groups, and the arena's device address kept valid while they use it.
@@ -276,6 +278,7 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             },
             #[cfg(feature = "cuda")]
             nccl: None,
+            collective_timeout: options.collective_timeout(),
         };
         let nccl = match options.device_collectives {
             DeviceCollectives::Host => false,
@@ -324,7 +327,7 @@ collectives through host memory (device_collectives=host or auto)",
             self.comm.as_ref(),
             ordinal,
             address,
-            crate::comm::collective_timeout(),
+            self.collective_timeout,
         )?;
         self.nccl = Some(NcclRank {
             world,

@@ -11,7 +11,7 @@
 //!   of its own, so compute launched after the start runs beside the transfer. Scratch is
 //!   allocated and freed in stream order on that stream. A wait polls the collective's event,
 //!   so a stuck member turns into an error after the collective timeout (the MPI engine's,
-//!   `GRAPHTRAIN_COLLECTIVE_TIMEOUT_S`) and the communicators are aborted, never a hang.
+//!   `RuntimeOptions::collective_timeout`) and the communicators are aborted, never a hang.
 //! - Numerics: NCCL sums in its ring's order, not in group order as the threads and MPI
 //!   engines do: a run agrees with them within rounding, not bit for bit. bf16 sums are rounded
 //!   once after NCCL's f32 sum (the caller launches the rounding), as the other engines do.
