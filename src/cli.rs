@@ -649,8 +649,9 @@ pub struct MeshArgs {
     /// parallelism over tp) runs on every rank. The config's batch is
     /// the global batch, split over the data ranks; the metric line gives global tokens/s, the
     /// largest rank's memory, and each rank's time blocked in waits (`wait_ms`). Checkpoints
-    /// hold whole tensors, as a one-device run's. On wgpu and cuda every rank has its own arena
-    /// on the one device and its collectives go through host memory (no NCCL yet).
+    /// hold whole tensors, as a one-device run's. On wgpu every rank has its own arena on the
+    /// one device and its collectives go through host memory; on cuda each rank opens the GPU
+    /// of its index and its collectives run on NCCL (built, not yet run on GPUs).
     #[arg(long)]
     pub mesh: Option<String>,
     /// A parallelization plan (RON: parameter name patterns to placements per mesh dimension);
@@ -680,7 +681,7 @@ pub struct MeshArgs {
 
 impl MeshArgs {
     /// The mesh run the flags ask for, if any.
-    fn mesh_run(&self) -> Result<Option<crate::trainer::MeshRun>, String> {
+    pub fn mesh_run(&self) -> Result<Option<crate::trainer::MeshRun>, String> {
         self.mesh_run_tuned(&Tuning::default())
     }
 

@@ -56,6 +56,11 @@ struct Args {
     /// Write the trained weights as a burnpack record here.
     #[arg(long)]
     record_out: Option<PathBuf>,
+    /// The mesh to train on (graphtrain only), as `graphtrain run --mesh`. Without `--plan`, the
+    /// built-in Llama plan (the burn model has torchtitan's parameter names) with its split
+    /// axes moved to burn's `[d_in, d_out]` Linear weights.
+    #[command(flatten)]
+    mesh: graphtrain::cli::MeshArgs,
 }
 
 fn main() {
@@ -131,6 +136,9 @@ fn run(args: Args) -> Result<(), String> {
         args.config, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.vocab_size
     );
     let model = match args.peer.as_deref() {
+        Some("burn") if args.mesh.mesh.is_some() => {
+            return Err("--mesh trains through graphtrain; the burn peer runs on one device".into())
+        }
         Some("burn") => train_with_burn(&args, &cfg, &data, model)?,
         Some(other) => return Err(format!("--peer `{other}`: the peer is `burn`")),
         None => train_with_graphtrain(&args, &cfg, data, model)?,
@@ -193,6 +201,11 @@ fn train_with_graphtrain(
         },
         ..OptimConfig::default()
     };
+    // Without --plan, the built-in Llama plan with its split axes moved to burn's layout.
+    let mut mesh = args.mesh.mesh_run()?;
+    if let (Some(run), None) = (mesh.as_mut(), &args.mesh.plan) {
+        run.plan = graphtrain_burn::plan::llama_plan(&run.mesh);
+    }
     let mut trainer = Trainer::build_imported(
         cfg,
         &ImportedModel {
@@ -213,7 +226,7 @@ fn train_with_graphtrain(
             runtime: Default::default(),
             precision: Default::default(),
         },
-        None,
+        mesh.as_ref(),
     )
     .map_err(|e| e.to_string())?;
     let mut last_batch: Option<Batch> = None;

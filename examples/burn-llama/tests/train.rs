@@ -120,5 +120,21 @@ fn graphtrain_and_burn_train_the_burn_model_alike_and_the_record_loads_in_burn()
         ((reloaded - next) / next).abs() < 1e-4,
         "burn's loss of the record {reloaded}, graphtrain's step 21 {next}"
     );
+
+    // The built-in plan on a 2 x 2 mesh (FSDP and tensor parallelism, ranks as threads): the
+    // same losses within rounding.
+    let meshed = losses(&run(
+        &config,
+        &["--steps", "5", "--mesh", "dp_shard=2,tp=2"],
+    ));
+    assert_eq!(meshed.len(), 5);
+    for (step, (a, b)) in meshed.iter().zip(&ours).enumerate() {
+        let rel = ((a - b) / b).abs();
+        assert!(
+            rel < 1e-4,
+            "step {} on the mesh: {a} against one device's {b}",
+            step + 1
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -24,6 +24,7 @@ pub mod capture;
 pub mod import;
 pub mod llama;
 mod patterns;
+pub mod plan;
 pub mod weights;
 
 pub use capture::{capture_loss, Captured};
