@@ -7,6 +7,8 @@
 //!   returned beside the graph (`Imported::initial`).
 //! - The captured runtime inputs become data inputs under their names (`tokens`, `targets`,
 //!   i32), and the loss (burn's `[1]`) the scalar output `loss`, as a traced model has them.
+//! - Nodes are in the forward phase up to the recognised cross-entropy and in the loss phase
+//!   from it on, as a traced model's.
 //! - Every node carries a module path: the module of the parameter it reads, else that of the
 //!   last parameter read before it, cut to its `layers.N` prefix inside a layer (burn's graph
 //!   names no modules; parameters are the only names it has). The layer index follows from
@@ -229,6 +231,10 @@ graphtrain imports constants only inside the patterns it recognises (RoPE's tabl
         };
         let (out, value) = if let Some(m) = matches.roots.get(&i) {
             *composites.entry(m.composite.name()).or_default() += 1;
+            // From the loss on, nodes are the loss phase's, as a traced model's are.
+            if matches!(m.composite, Composite::CrossEntropy { .. }) {
+                tr.set_phase(graphtrain_ir::Phase::Loss);
+            }
             let out = single_output(op).ok_or_else(|| fail("no single output".into()))?;
             (out, emit_composite(&m.composite, &get).map_err(&fail)?)
         } else {

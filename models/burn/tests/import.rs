@@ -235,6 +235,8 @@ fn parameters_are_named_as_in_burn_and_nodes_carry_their_modules() {
         .filter(|n| n.meta.module.starts_with("layers.") && n.meta.layer.is_none())
         .count();
     assert_eq!(unlabelled, 0);
+    // The whole imported forward, for review: its numerics are the first test's.
+    insta::assert_snapshot!(graphtrain_ir::text::print(g));
 }
 
 #[test]
