@@ -70,33 +70,6 @@ fn main() {
     }
 }
 
-/// The burn model's sizes for graphtrain config `cfg`.
-fn burn_config(cfg: &Llama3Config) -> Result<LlamaConfig, String> {
-    if cfg.n_kv_heads != cfg.n_heads || cfg.tied_embeddings {
-        return Err(format!(
-            "the burn example model has no grouped-query heads and no tied embeddings; config \
-has {} key/value heads for {} query heads{}",
-            cfg.n_kv_heads,
-            cfg.n_heads,
-            if cfg.tied_embeddings {
-                ", tied embeddings"
-            } else {
-                ""
-            }
-        ));
-    }
-    Ok(LlamaConfig {
-        vocab_size: cfg.vocab_size,
-        dim: cfg.dim,
-        n_layers: cfg.n_layers,
-        n_heads: cfg.n_heads,
-        ffn_dim: cfg.ffn_hidden,
-        max_seq_len: cfg.seq_len,
-        rope_theta: cfg.rope_theta,
-        norm_eps: cfg.norm_eps,
-    })
-}
-
 /// AdamW as graphtrain runs it by default, for both trainers.
 fn adamw() -> (f64, f64, f64, f64) {
     match OptimConfig::default().optimizer {
@@ -116,7 +89,7 @@ fn int_data(v: &[i64], cfg: &Llama3Config) -> TensorData {
 
 fn run(args: Args) -> Result<(), String> {
     let cfg = graphtrain::config::load_config(&args.config)?;
-    let shape = burn_config(&cfg)?;
+    let shape = LlamaConfig::like(&cfg)?;
     let data = match args.data.as_str() {
         "fixed" => DataSource::Fixed,
         "random" => DataSource::Random,

@@ -84,16 +84,7 @@ fn graphtrain_and_burn_train_the_burn_model_alike_and_the_record_loads_in_burn()
 
     // The record holds the weights after 20 updates: burn's loss of them on the fixed batch is
     // the loss graphtrain reports at step 21.
-    let shape = LlamaConfig {
-        vocab_size: cfg.vocab_size,
-        dim: cfg.dim,
-        n_layers: cfg.n_layers,
-        n_heads: cfg.n_heads,
-        ffn_dim: cfg.ffn_hidden,
-        max_seq_len: cfg.seq_len,
-        rope_theta: cfg.rope_theta,
-        norm_eps: cfg.norm_eps,
-    };
+    let shape = LlamaConfig::like(&cfg).unwrap();
     let device = Device::flex();
     let mut model = shape.init(&device);
     let applied = model

@@ -66,6 +66,34 @@ fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
 }
 
 impl LlamaConfig {
+    /// The shape of graphtrain's Llama config `cfg`; refused for one with grouped-query heads
+    /// or tied embeddings, which this model does not have.
+    pub fn like(cfg: &graphtrain_models::Llama3Config) -> Result<LlamaConfig, String> {
+        if cfg.n_kv_heads != cfg.n_heads || cfg.tied_embeddings {
+            return Err(format!(
+                "the burn example model has no grouped-query heads and no tied embeddings; \
+the config has {} key/value heads for {} query heads{}",
+                cfg.n_kv_heads,
+                cfg.n_heads,
+                if cfg.tied_embeddings {
+                    ", tied embeddings"
+                } else {
+                    ""
+                }
+            ));
+        }
+        Ok(LlamaConfig {
+            vocab_size: cfg.vocab_size,
+            dim: cfg.dim,
+            n_layers: cfg.n_layers,
+            n_heads: cfg.n_heads,
+            ffn_dim: cfg.ffn_hidden,
+            max_seq_len: cfg.seq_len,
+            rope_theta: cfg.rope_theta,
+            norm_eps: cfg.norm_eps,
+        })
+    }
+
     /// A model with burn's default initializers.
     pub fn init(&self, device: &Device) -> Llama {
         let norm = || {
