@@ -56,6 +56,10 @@ struct Args {
     /// Write the trained weights as a burnpack record here.
     #[arg(long)]
     record_out: Option<PathBuf>,
+    /// `f32`, or `bf16-mixed` (as `graphtrain run --precision`: the matmuls on bf16 copies,
+    /// f32 accumulation, everything else f32). graphtrain only.
+    #[arg(long, default_value = "f32")]
+    precision: String,
     /// The mesh to train on (graphtrain only), as `graphtrain run --mesh`. Without `--plan`, the
     /// built-in Llama plan (the burn model has torchtitan's parameter names) with its split
     /// axes moved to burn's `[d_in, d_out]` Linear weights.
@@ -109,8 +113,12 @@ fn run(args: Args) -> Result<(), String> {
         args.config, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.vocab_size
     );
     let model = match args.peer.as_deref() {
-        Some("burn") if args.mesh.mesh.is_some() => {
-            return Err("--mesh trains through graphtrain; the burn peer runs on one device".into())
+        Some("burn") if args.mesh.mesh.is_some() || args.precision != "f32" => {
+            return Err(
+                "--mesh and --precision train through graphtrain; the burn peer runs on one \
+device in f32"
+                    .into(),
+            )
         }
         Some("burn") => train_with_burn(&args, &cfg, &data, model)?,
         Some(other) => return Err(format!("--peer `{other}`: the peer is `burn`")),
@@ -174,6 +182,8 @@ fn train_with_graphtrain(
         },
         ..OptimConfig::default()
     };
+    let precision = graphtrain::ir::autocast::Precision::parse(&args.precision)
+        .map_err(|e| format!("--precision: {e}"))?;
     // Without --plan, the built-in Llama plan with its split axes moved to burn's layout.
     let mut mesh = args.mesh.mesh_run()?;
     if let (Some(run), None) = (mesh.as_mut(), &args.mesh.plan) {
@@ -197,7 +207,7 @@ fn train_with_graphtrain(
             mode: graphtrain_lowering::Mode::Fused,
             fusion: Default::default(),
             runtime: Default::default(),
-            precision: Default::default(),
+            precision,
         },
         mesh.as_ref(),
     )

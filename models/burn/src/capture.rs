@@ -58,6 +58,7 @@ pub fn capture_loss<M: Module>(
         found: Vec::new(),
     };
     let mut named_inputs = Vec::new();
+    let mut loss_id = None;
     let captured = device
         .capture_scope(|scope| {
             // Capture refuses autodiff tensors; `valid` is the module without autodiff.
@@ -70,20 +71,33 @@ pub fn capture_loss<M: Module>(
                     Tensor::<2, Int>::from_data(data.clone(), &Device::flex()).to_device(&device)
                 })
                 .collect();
-            let ids: Vec<TensorId> = tensors.iter().map(int_id).collect();
+            let ids: Vec<TensorId> = tensors.iter().filter_map(int_id).collect();
             named_inputs = ids
                 .iter()
                 .zip(inputs)
                 .map(|(id, (name, _))| (*id, name.to_string()))
                 .collect();
             let out = loss(&moved, tensors);
-            let out_id = out
+            // A loss not on the capture device completes the scope without an output, refused
+            // below.
+            loss_id = out
                 .try_into_primitive::<burn::backend::Capture>()
-                .map(|t| t.id())
-                .expect("a tensor on the capture device");
-            scope.complete(ids, [out_id])
+                .ok()
+                .map(|t| t.id());
+            scope.complete(ids, loss_id)
         })
         .map_err(|e| ImportError::new(format!("burn's capture failed: {e:?}")))?;
+    if loss_id.is_none() {
+        return Err(ImportError::new(
+            "the loss is not a tensor of the capture device: compute it from the module and \
+the tensors capture_loss passes",
+        ));
+    }
+    if named_inputs.len() != inputs.len() {
+        return Err(ImportError::new(
+            "an input did not reach burn's capture device",
+        ));
+    }
     let computes = |op: &burn_ir::OperationIr| !matches!(op, burn_ir::OperationIr::Init(_));
     if !captured.graph.operations.iter().any(computes) {
         return Err(ImportError::new(
@@ -104,9 +118,9 @@ must compute the loss from the module it is passed, on the tensors it is passed"
     })
 }
 
-fn int_id(t: &Tensor<2, Int>) -> TensorId {
+fn int_id(t: &Tensor<2, Int>) -> Option<TensorId> {
     t.clone()
         .try_into_primitive::<burn::backend::Capture>()
+        .ok()
         .map(|t| t.id())
-        .expect("a tensor moved to the capture device")
 }
