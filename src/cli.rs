@@ -613,7 +613,8 @@ pub struct TrainArgs {
     /// `scalar`: the cpu GEMM kernel, refused elsewhere), `device_matmul` (`auto`, `tiled` or
     /// `per_output`: the wgpu and cuda matmul kernel; `auto` is tiled on cuda, per-output on
     /// wgpu), `device_collectives` (`auto`, `nccl` or `host`: how cuda ranks move collectives;
-    /// `auto` is NCCL with several ranks), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
+    /// `auto` is NCCL where there are as many GPUs as ranks; `nccl` for ranks on several
+    /// machines), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
     /// it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,

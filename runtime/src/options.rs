@@ -45,7 +45,8 @@ pub enum DeviceMatmul {
 /// How the device backends move a collective's data between ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceCollectives {
-    /// NCCL on `cuda` with several ranks; through host memory otherwise.
+    /// NCCL on `cuda` with several ranks where there are as many GPUs as ranks (one machine);
+    /// through host memory otherwise.
     #[default]
     Auto,
     /// NCCL, device memory to device memory (`cuda` only).

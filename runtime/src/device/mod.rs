@@ -102,10 +102,14 @@ impl DeviceKind {
     /// Which of this kind's devices rank index `index` opens: `cuda` wraps the index around
     /// the GPUs present (one rank a GPU where there are as many); `wgpu` opens its default
     /// adapter.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn ordinal(self, index: usize) -> Result<usize, RuntimeError> {
+        Ok(index % self.count()?)
+    }
+
+    /// How many devices of this kind there are (`wgpu`: its one default adapter).
+    fn count(self) -> Result<usize, RuntimeError> {
         match self {
-            DeviceKind::Wgpu => Ok(0),
+            DeviceKind::Wgpu => Ok(1),
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda => {
                 use cudarc::driver::result as cu;
@@ -120,11 +124,11 @@ impl DeviceKind {
                                 "backend `cuda` could not count the GPUs: {e}"
                             ))
                         })?;
-                Ok(index % (count.max(1) as usize))
+                Ok(count.max(1) as usize)
             }
             // Without `cuda` compiled in, opening the device fails first.
             #[cfg(not(feature = "cuda"))]
-            DeviceKind::Cuda => Ok(0),
+            DeviceKind::Cuda => Ok(1),
         }
     }
 
@@ -282,7 +286,13 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
         };
         let nccl = match options.device_collectives {
             DeviceCollectives::Host => false,
-            DeviceCollectives::Auto => kind == DeviceKind::Cuda && exec.comm.world_size() > 1,
+            // NCCL refuses two ranks on one GPU: by default it is used where every rank can
+            // have its own (as many GPUs here as ranks), a rule every rank of a uniform job
+            // decides alike. A job spanning machines asks for it (device_collectives=nccl).
+            DeviceCollectives::Auto => {
+                let world = exec.comm.world_size();
+                kind == DeviceKind::Cuda && world > 1 && kind.count()? >= world
+            }
             DeviceCollectives::Nccl => {
                 if kind != DeviceKind::Cuda {
                     return Err(RuntimeError::Unavailable(format!(
