@@ -253,7 +253,8 @@ impl std::fmt::Display for DataArg {
     }
 }
 
-fn parse_data_arg(s: &str) -> Result<DataArg, String> {
+/// `--data`'s parser: `random`, `fixed` or a path.
+pub fn parse_data_arg(s: &str) -> Result<DataArg, String> {
     match s {
         "random" => Ok(DataArg::Random),
         "fixed" => Ok(DataArg::Fixed),
@@ -829,6 +830,79 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
     })
 }
 
+/// The batches `--data` (with the text flags and `--vocab-size`) asks for, for model `cfg`;
+/// for text, also a line saying what was read, cached and split, and the tokenizer.
+pub fn data_source(
+    data: &DataArg,
+    flags: &TextDataArgs,
+    vocab_size: Option<usize>,
+    cfg: &Llama3Config,
+) -> Result<(DataSource, Option<String>, Option<TextTokenizer>), String> {
+    let path = match data {
+        DataArg::Random | DataArg::Fixed => {
+            if let Some(flag) = flags.any_given(vocab_size) {
+                return Err(format!(
+                    "{flag} applies to text data (--data PATH), not to --data {}",
+                    data
+                ));
+            }
+            let source = match data {
+                DataArg::Random => DataSource::Random,
+                _ => DataSource::Fixed,
+            };
+            return Ok((source, None, None));
+        }
+        DataArg::Path(p) => p,
+    };
+    let vocab_size = vocab_size.unwrap_or(cfg.vocab_size);
+    if vocab_size > cfg.vocab_size {
+        return Err(format!(
+            "--vocab-size {vocab_size} is larger than the model config's vocab_size {}",
+            cfg.vocab_size
+        ));
+    }
+    let opts = flags.options(path, vocab_size)?;
+    let (tokens, report) = prepare_tokens(&opts)?;
+    let text = TextData::new(tokens, cfg.seq_len, flags.val_fraction)
+        .map_err(|e| format!("--data {}: {e}", path.display()))?;
+    if text.vocab_size() > cfg.vocab_size {
+        return Err(format!(
+            "--data {}: the tokenizer's vocab size {} is larger than the model config's vocab_size {}",
+            path.display(),
+            text.vocab_size(),
+            cfg.vocab_size
+        ));
+    }
+    let mut line = format!(
+        "data: {} | {}{} tokens, {} rows of {} (train {}, val {}) | tokenizer {}, vocab {} | tokens {}",
+        path.display(),
+        match report.documents {
+            Some(d) => format!("{d} documents, "),
+            None => String::new(),
+        },
+        text.tokens().len(),
+        text.train_rows() + text.val_rows(),
+        cfg.seq_len + 1,
+        text.train_rows(),
+        text.val_rows(),
+        report.tokenizer,
+        text.vocab_size(),
+        report.tokens
+    );
+    if text.vocab_size() < cfg.vocab_size {
+        line += &format!(
+            "\nnote: the tokenizer has {} tokens, the model's vocab_size is {}: the other embedding rows stay unused",
+            text.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    Ok((
+        DataSource::Text(std::sync::Arc::new(text)),
+        Some(line),
+        report.tokenizer_used,
+    ))
+}
+
 impl TrainArgs {
     /// Validates the flags, builds the step through the pipeline and initializes the trainer.
     fn setup(&self, registry: &Registry) -> Result<Setup, String> {
@@ -851,69 +925,7 @@ impl TrainArgs {
         &self,
         cfg: &Llama3Config,
     ) -> Result<(DataSource, Option<String>, Option<TextTokenizer>), String> {
-        let path = match &self.data {
-            DataArg::Random | DataArg::Fixed => {
-                if let Some(flag) = self.text.any_given(self.vocab_size) {
-                    return Err(format!(
-                        "{flag} applies to text data (--data PATH), not to --data {}",
-                        self.data
-                    ));
-                }
-                let source = match self.data {
-                    DataArg::Random => DataSource::Random,
-                    _ => DataSource::Fixed,
-                };
-                return Ok((source, None, None));
-            }
-            DataArg::Path(p) => p,
-        };
-        let vocab_size = self.vocab_size.unwrap_or(cfg.vocab_size);
-        if vocab_size > cfg.vocab_size {
-            return Err(format!(
-                "--vocab-size {vocab_size} is larger than the model config's vocab_size {}",
-                cfg.vocab_size
-            ));
-        }
-        let opts = self.text.options(path, vocab_size)?;
-        let (tokens, report) = prepare_tokens(&opts)?;
-        let text = TextData::new(tokens, cfg.seq_len, self.text.val_fraction)
-            .map_err(|e| format!("--data {}: {e}", path.display()))?;
-        if text.vocab_size() > cfg.vocab_size {
-            return Err(format!(
-                "--data {}: the tokenizer's vocab size {} is larger than the model config's vocab_size {}",
-                path.display(),
-                text.vocab_size(),
-                cfg.vocab_size
-            ));
-        }
-        let mut line = format!(
-            "data: {} | {}{} tokens, {} rows of {} (train {}, val {}) | tokenizer {}, vocab {} | tokens {}",
-            path.display(),
-            match report.documents {
-                Some(d) => format!("{d} documents, "),
-                None => String::new(),
-            },
-            text.tokens().len(),
-            text.train_rows() + text.val_rows(),
-            cfg.seq_len + 1,
-            text.train_rows(),
-            text.val_rows(),
-            report.tokenizer,
-            text.vocab_size(),
-            report.tokens
-        );
-        if text.vocab_size() < cfg.vocab_size {
-            line += &format!(
-                "\nnote: the tokenizer has {} tokens, the model's vocab_size is {}: the other embedding rows stay unused",
-                text.vocab_size(),
-                cfg.vocab_size
-            );
-        }
-        Ok((
-            DataSource::Text(std::sync::Arc::new(text)),
-            Some(line),
-            report.tokenizer_used,
-        ))
+        data_source(&self.data, &self.text, self.vocab_size, cfg)
     }
 
     /// `setup` with another pipeline than the flags give.

@@ -36,9 +36,15 @@ struct Args {
     config: String,
     #[arg(long, default_value_t = 20)]
     steps: u64,
-    /// `fixed` (batch 0 every step) or `random` (a fresh batch each step), as `graphtrain run`.
-    #[arg(long, default_value = "fixed")]
-    data: String,
+    /// `fixed` (batch 0 every step), `random` (a fresh batch each step) or a PATH to text, as
+    /// `graphtrain run --data` (with its text flags: --tokenizer, --data-cache, ...).
+    #[arg(long, default_value = "fixed", value_parser = graphtrain::cli::parse_data_arg)]
+    data: graphtrain::cli::DataArg,
+    #[command(flatten)]
+    text: graphtrain::cli::TextDataArgs,
+    /// Vocab size of the BPE trained on a --data PATH when no --tokenizer is given.
+    #[arg(long)]
+    vocab_size: Option<usize>,
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// Seeds the batches and burn's initial weights.
@@ -94,11 +100,11 @@ fn int_data(v: &[i64], cfg: &Llama3Config) -> TensorData {
 fn run(args: Args) -> Result<(), String> {
     let cfg = graphtrain::config::load_config(&args.config)?;
     let shape = LlamaConfig::like(&cfg)?;
-    let data = match args.data.as_str() {
-        "fixed" => DataSource::Fixed,
-        "random" => DataSource::Random,
-        other => return Err(format!("--data `{other}`: fixed or random")),
-    };
+    let (data, report, _) =
+        graphtrain::cli::data_source(&args.data, &args.text, args.vocab_size, &cfg)?;
+    if let Some(line) = report {
+        println!("{line}");
+    }
     // On the autodiff device, so that burn's own training (the peer) tracks the parameters;
     // capture takes the module without autodiff.
     let device = Device::flex().autodiff();
