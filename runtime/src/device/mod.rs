@@ -305,7 +305,11 @@ collectives through host memory (device_collectives=host or auto)",
             }
         };
         if nccl {
-            exec.join_nccl(ordinal)?;
+            if let Err(e) = exec.join_nccl(ordinal) {
+                // The other ranks may be waiting in the bootstrap's broadcast: release them.
+                exec.comm.abort(&e.to_string());
+                return Err(e);
+            }
         }
         for (v, t) in &constants {
             exec.write(*v, t)?;
