@@ -1370,3 +1370,65 @@ impl Executor for DeviceExecutor {
         })
     }
 }
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+
+    /// The kernel that rounds a bf16 sum NCCL made (run on `cuda` only) rounds as the host's
+    /// `round_bf16` does, bit for bit, inside its range and nowhere else: checked on wgpu, the
+    /// device the tests have.
+    #[test]
+    fn the_bf16_rounding_kernel_rounds_as_the_host_does() {
+        let device = match DeviceKind::Wgpu.device() {
+            Ok(d) => d,
+            Err(e) if std::env::var_os("CI").is_none() => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let client = open(&device, DeviceKind::Wgpu).unwrap();
+        let values: Vec<f32> = (0..1000)
+            .map(|i| match i % 7 {
+                0 => f32::from_bits(0x3f80_8000), // a tie: rounds to even
+                1 => f32::from_bits(0x3f81_8000), // a tie: rounds up to even
+                2 => -1.0e-3 * i as f32,
+                3 => f32::NAN,
+                4 => 3.0e38,
+                _ => (i as f32).sqrt() * 1.2345,
+            })
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let buffer = client.create_from_slice(&bytes);
+        let (at, len) = (10, 900);
+        let (count, dim) = grid(units_for(len));
+        // SAFETY: `at + len` is inside the buffer's 1000 floats.
+        unsafe {
+            kernels::round_bf16_kernel::launch_unchecked(
+                &client,
+                count,
+                dim,
+                BufferArg::from_raw_parts(buffer.clone(), values.len()),
+                at,
+                len,
+            )
+        };
+        let read = client.read_one(buffer).unwrap();
+        for (i, x) in values.iter().enumerate() {
+            let got = f32::from_le_bytes([
+                read[4 * i],
+                read[4 * i + 1],
+                read[4 * i + 2],
+                read[4 * i + 3],
+            ]);
+            let want = if (at..at + len).contains(&i) {
+                graphtrain_ir::host_tensor::round_bf16(*x)
+            } else {
+                *x
+            };
+            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            assert!(same, "element {i}: {x} became {got}, want {want}");
+        }
+    }
+}
