@@ -80,16 +80,23 @@ fn main() {
     }
 }
 
-/// AdamW as graphtrain runs it by default, for both trainers.
-fn adamw() -> (f64, f64, f64, f64) {
-    match OptimConfig::default().optimizer {
-        GtOptimizer::AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => (beta1, beta2, eps, weight_decay),
-        GtOptimizer::Sgd { .. } => (0.9, 0.999, 1e-8, 0.1),
+/// graphtrain's default AdamW (no clipping), which both trainers run: its hyperparameters
+/// `(beta1, beta2, eps, weight_decay)`.
+fn adamw() -> Result<(f64, f64, f64, f64), String> {
+    match OptimConfig::default() {
+        OptimConfig {
+            optimizer:
+                GtOptimizer::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                },
+            max_grad_norm: None,
+        } => Ok((beta1, beta2, eps, weight_decay)),
+        other => Err(format!(
+            "the burn peer runs AdamW without clipping, not {other:?}"
+        )),
     }
 }
 
@@ -178,16 +185,6 @@ fn train_with_graphtrain(
     let pipeline = PipelineSpec::parse_list(&args.passes)
         .and_then(|p| p.build(&Registry::builtin()))
         .map_err(|e| format!("--passes: {e}"))?;
-    let (beta1, beta2, eps, weight_decay) = adamw();
-    let optim = OptimConfig {
-        optimizer: GtOptimizer::AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        },
-        ..OptimConfig::default()
-    };
     let precision = graphtrain::ir::autocast::Precision::parse(&args.precision)
         .map_err(|e| format!("--precision: {e}"))?;
     // Without --plan, the built-in Llama plan with its split axes moved to burn's layout.
@@ -205,7 +202,7 @@ fn train_with_graphtrain(
             data,
             seed: args.seed,
             lr: args.lr,
-            optim,
+            optim: OptimConfig::default(),
         },
         backend,
         &CompileOptions {
@@ -263,7 +260,7 @@ fn train_with_burn(
     data: &DataSource,
     model: Llama,
 ) -> Result<Llama, String> {
-    let (beta1, beta2, eps, weight_decay) = adamw();
+    let (beta1, beta2, eps, weight_decay) = adamw()?;
     let device = Device::flex().autodiff();
     let mut model = model;
     let mut optim = AdamWConfig::new()

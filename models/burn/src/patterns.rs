@@ -73,6 +73,9 @@ pub(crate) struct Matches {
 /// Every pattern in `ix`'s graph.
 pub(crate) fn find(ix: &Index<'_>) -> Matches {
     let mut found = Matches::default();
+    // RoPE's table is one constant that every rotation reads: its theta is read and checked
+    // once per length used, not once per rotation.
+    let mut thetas: HashMap<(u64, usize), Option<f64>> = HashMap::new();
     for i in 0..ix.ops.len() {
         let mut inner = Vec::new();
         let hit = rms_norm(ix, i, &mut inner)
@@ -82,7 +85,7 @@ pub(crate) fn find(ix: &Index<'_>) -> Matches {
             })
             .or_else(|| {
                 inner.clear();
-                rope(ix, i, &mut inner)
+                rope(ix, i, &mut inner, &mut thetas)
             })
             .or_else(|| {
                 inner.clear();
@@ -235,7 +238,12 @@ fn cross_entropy(ix: &Index<'_>, root: usize, ins: &mut Vec<usize>) -> Option<Ma
     })
 }
 
-fn rope(ix: &Index<'_>, root: usize, ins: &mut Vec<usize>) -> Option<Match> {
+fn rope(
+    ix: &Index<'_>,
+    root: usize,
+    ins: &mut Vec<usize>,
+    thetas: &mut HashMap<(u64, usize), Option<f64>>,
+) -> Option<Match> {
     let OperationIr::BaseFloat(BaseOperationIr::Reshape(back)) = &ix.ops[root] else {
         return None;
     };
@@ -273,8 +281,10 @@ fn rope(ix: &Index<'_>, root: usize, ins: &mut Vec<usize>) -> Option<Match> {
     if rows.start != 0 || rows.step != 1 {
         return None;
     }
-    let freq = ix.constant(&slice.tensor)?;
-    let theta = theta_of(&freq, slice.tensor.shape.as_slice(), s, d)?;
+    let table = &slice.tensor;
+    let theta = (*thetas
+        .entry((table.id.value(), s))
+        .or_insert_with(|| theta_of(&ix.constant(table)?, table.shape.as_slice(), s, d)))?;
     Some(Match {
         param: None,
         composite: Composite::Rope {
