@@ -27,7 +27,9 @@ use graphtrain::gate::{self, RunRecord};
 use graphtrain_ir::{text, DType, Graph, HostTensor, TensorType};
 use graphtrain_lowering::Mode;
 use graphtrain_passes::testing::random_inputs;
-use graphtrain_runtime::{run_once, run_once_with, Backend, DeviceMatmul, RuntimeOptions};
+use graphtrain_runtime::{
+    run_once, run_once_with, Backend, DeviceMatmul, GemmKernel, RuntimeOptions,
+};
 
 /// The names of `g`'s outputs, in order.
 fn output_names(g: &Graph) -> Vec<String> {
@@ -1080,8 +1082,10 @@ fn bf16_casts_elementwise_and_layout() {
 
 /// A matmul of bf16 operands: f32 sums rounded once to bf16, within one bf16 step (2^-8
 /// relative) of the interpreter's f64 sums rounded to bf16; transposed operands and a
-/// transposed result included; on cpu (`vdpbf16ps` where it has AVX512_BF16) and on the device
-/// backends with both matmul kernels.
+/// transposed result included; on cpu (`vdpbf16ps` where it has AVX512_BF16, and the f32 GEMM)
+/// and on the device backends with both matmul kernels. Fused, the casts of `a` and `b` fold
+/// into the matmuls (which round the f32 inputs as they read them): bit for bit the eager
+/// Program's cast kernels, with every kernel.
 #[test]
 fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     let src = "graph g {
@@ -1099,32 +1103,50 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     let g = text::parse(src).unwrap();
     graphtrain_ir::verify::verify(&g).unwrap();
     let names = output_names(&g);
-    // cpu eager and fused; the device backends with either matmul kernel.
-    let mut runs = vec![
-        (Backend::Cpu, Mode::Eager, DeviceMatmul::Auto),
-        (Backend::Cpu, Mode::Fused, DeviceMatmul::Auto),
+    // cpu with either GEMM; the device backends with either matmul kernel.
+    let mut kernels = vec![
+        (Backend::Cpu, GemmKernel::Widest, DeviceMatmul::Auto),
+        (Backend::Cpu, GemmKernel::Avx2, DeviceMatmul::Auto),
     ];
     for backend in device_backends() {
         for kernel in [DeviceMatmul::PerOutput, DeviceMatmul::Tiled] {
-            runs.push((backend, Mode::Fused, kernel));
+            kernels.push((backend, GemmKernel::Widest, kernel));
         }
     }
+    let fused = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
+    assert!(
+        !fused.steps.iter().any(|s| [2, 3].contains(&s.writes().0)),
+        "the casts %2 and %3 did not fold into the matmuls:\n{fused}"
+    );
     for seed in 0..2 {
         let inputs = random_inputs(&g, seed);
         let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-        for &(backend, mode, kernel) in &runs {
+        for &(backend, gemm, kernel) in &kernels {
             let options = RuntimeOptions {
+                gemm_kernel: gemm,
                 device_matmul: kernel,
                 ..RuntimeOptions::default()
             };
-            let got = run_once_with(&g, backend, mode, options, &inputs)
-                .unwrap_or_else(|e| panic!("{backend} {mode:?} {kernel:?}: {e}"));
-            let what = format!("bf16 matmuls, {backend} {mode:?} {kernel:?} (seed {seed})");
-            assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 256.0));
-            // Every element is a bf16 value.
-            for x in &got[0].data {
-                assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{what}: {x} is not bf16");
+            let mut runs = Vec::new();
+            for mode in [Mode::Eager, Mode::Fused] {
+                let got = run_once_with(&g, backend, mode, options.clone(), &inputs)
+                    .unwrap_or_else(|e| panic!("{backend} {mode:?} {gemm:?} {kernel:?}: {e}"));
+                let what =
+                    format!("bf16 matmuls, {backend} {mode:?} {gemm:?} {kernel:?} (seed {seed})");
+                assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 256.0));
+                // Every element is a bf16 value.
+                for x in &got[0].data {
+                    assert_eq!((*x as f32).to_bits() & 0xFFFF, 0, "{what}: {x} is not bf16");
+                }
+                runs.push(got[0].data.clone());
             }
+            assert!(
+                runs[0]
+                    .iter()
+                    .zip(&runs[1])
+                    .all(|(e, f)| e.to_bits() == f.to_bits()),
+                "{backend} {gemm:?} {kernel:?} (seed {seed}): fused differs from eager"
+            );
         }
     }
 }

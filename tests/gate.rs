@@ -2,7 +2,7 @@
 //! unoptimized step, on `tiny` and on `peer`, after 5 AdamW steps. And the gate itself fails a
 //! pass that changes numerics.
 
-use graphtrain::gate::{check_pipeline, check_pipeline_on};
+use graphtrain::gate::{check_pipeline, check_pipeline_on, check_pipeline_tuned};
 use graphtrain::ir::{Graph, Op};
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::{Pass, PassError, PassReport, Pipeline, PipelineSpec, Registry, Tier};
@@ -67,6 +67,40 @@ fn default_pipeline_and_ac_are_bitwise_identical_on_wgpu_tiny() {
         ac.verify_each = true;
         check_pipeline_on(&tiny, &ac, 5, backend)
             .unwrap_or_else(|e| panic!("ac=full,default on {backend}: {e}"));
+    }
+}
+
+/// bf16-mixed, fused against eager, bit for bit: fusion folds the casts to bf16 that only
+/// matmuls read into those matmuls (which round the f32 operand as they read it), lowers
+/// widening casts as views and writes bf16 weight gradients transposed; each must round exactly
+/// as the cast kernels it replaces. On cpu (the bf16 GEMM where the cpu has AVX512_BF16, else the
+/// f32 GEMM on rounded copies) and the device backends, with `ac=full` in front as well (the
+/// recomputed forward's casts fold too).
+#[test]
+fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
+    use graphtrain::ir::autocast::Precision;
+    use graphtrain::tuning::Tuning;
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let mut backends = vec![Backend::Cpu];
+    backends.extend(graphtrain::gate::device_backends_for_tests());
+    for list in ["default", "ac=full,default"] {
+        let mut p = PipelineSpec::parse_list(list)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        p.verify_each = true;
+        for &backend in &backends {
+            check_pipeline_tuned(
+                &tiny,
+                &p,
+                3,
+                backend,
+                None,
+                &Tuning::default(),
+                Precision::Bf16Mixed,
+            )
+            .unwrap_or_else(|e| panic!("{list} on {backend}, bf16-mixed: {e}"));
+        }
     }
 }
 

@@ -140,6 +140,7 @@ pub fn round_to_dtype(dtype: DType, x: f64) -> f64 {
 }
 
 /// Rounds an f32 to the nearest bfloat16 (ties to even), returned as the f32 it equals.
+#[inline]
 pub fn round_bf16(x: f32) -> f32 {
     if x.is_nan() {
         return x;

@@ -12,7 +12,9 @@
 //! should have been decomposed; a matmul operand view with no batched form (an internal error).
 
 use crate::lower::err;
-use crate::program::{AdamWUpdate, Expr, LowerError, MapInput, ReduceKind, Step, View};
+use crate::program::{
+    AdamWUpdate, Bf16Rounding, Expr, LowerError, MapInput, ReduceKind, Step, View,
+};
 use crate::views::{as_batched, expand_view, reshape_view, slice_view, transpose_view};
 use graphtrain_ir::{BinaryOp, DType, Graph, Op, ValueId};
 
@@ -138,6 +140,11 @@ pub(crate) fn structural_steps(
                 m,
                 n: nn,
                 k: kk,
+                bf16: Bf16Rounding {
+                    a: false,
+                    b: false,
+                    out: g.ty(out).dtype == DType::BF16,
+                },
             }
         }
         Op::Gather { axis } => Step::Gather {

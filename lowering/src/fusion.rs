@@ -7,8 +7,15 @@
 //!   an `expand` that only elementwise ops of its size read becomes a broadcast `Access` of
 //!   their operand (period a multiple of `BROADCAST_ALIGN`);
 //! - a matmul read only through a transpose of its last two dims writes the transpose
-//!   (`bᵀ aᵀ`), and an attention output (or gradient) read only through
-//!   `transpose(0, 2, 1, 3)` is written in that layout through its output view;
+//!   (`bᵀ aᵀ`), also through a widening cast of its bf16 result, and an attention output (or
+//!   gradient) read only through `transpose(0, 2, 1, 3)` is written in that layout through its
+//!   output view;
+//! - bf16-mixed's casts: a cast of f32 to bf16 that only bf16 matmuls read (through layout ops)
+//!   is a view of its operand, which those matmuls round as they read it
+//!   (`Bf16Rounding::a`/`b`: the same rounding the cast kernel does); a widening cast of bf16
+//!   (the same bits: bf16 is held in f32 slots) read only through views is a view too. Neither
+//!   takes a kernel or arena bytes: the weights are no longer transposed and rounded into a copy
+//!   for every matmul, and the copies are not held until the backward;
 //! - elementwise chains become one `Map`: a value with one elementwise reader of its size is
 //!   computed inside that reader's kernel; so is a value with two readers whose single-use
 //!   chains meet again within `FusionLimits::converge_hops` (SiLU's gradient), and one op over
@@ -32,13 +39,14 @@
 
 use crate::eager::{elementwise_expr, reduce_kind, structural_steps};
 use crate::program::{
-    Access, Expr, LowerError, MapInput, ReduceOver, Step, View, BROADCAST_ALIGN, MAX_MAP_INPUTS,
+    Access, Bf16Rounding, Expr, LowerError, MapInput, ReduceOver, Step, View, BROADCAST_ALIGN,
+    MAX_MAP_INPUTS,
 };
 use crate::views::{
     as_batched, contiguous_strides, expand_access, expand_view, reshape_view, slice_view,
     transpose_view,
 };
-use graphtrain_ir::{Graph, Op, ValueId};
+use graphtrain_ir::{DType, Graph, Op, ValueId};
 
 /// The limits of one fused kernel: options of `lower_with_limits` (`Default` is what `lower`
 /// and `lower_with` use). They bound what fusion inlines, never what a node needs: an
@@ -159,6 +167,70 @@ pub(crate) fn fused_steps(
     let mut steps = Vec::new();
     // Nodes whose output an earlier step already wrote (a transpose of a matmul result).
     let mut done = vec![false; g.nodes.len()];
+    // Casts of f32 values to bf16 that only bf16 matmuls read (through layout ops): each
+    // matmul rounds the f32 operand as it reads it, so the cast is a view of its operand
+    // instead of a kernel and a bf16 copy in the arena (bf16-mixed's weights, which would
+    // otherwise be transposed and rounded into a copy for every matmul, and saved activations).
+    let cast_folds: Vec<bool> = (0..g.nodes.len())
+        .map(|k| {
+            let n = &g.nodes[k];
+            matches!(n.op, Op::Cast { dtype: DType::BF16 })
+                && g.ty(n.inputs[0]).dtype == DType::F32
+                && only_bf16_matmuls_read(g, &consumers, &is_output, n.outputs[0])
+        })
+        .collect();
+    // Values holding f32 that their readers (bf16 matmuls only) round: folded casts and the
+    // layout ops over them.
+    let mut holds_unrounded = vec![false; nv];
+    // A matmul reads views whose batch dims collapse into one.
+    let collapses = |v: &View| {
+        let r = v.shape.len();
+        r == 2 || {
+            let lead = View {
+                base: v.base,
+                offset: v.offset,
+                shape: v.shape[..r - 2].to_vec(),
+                strides: v.strides[..r - 2].to_vec(),
+            };
+            lead.collapsed().0.len() <= 1
+        }
+    };
+    // Whether the readers among `cons` that read a value as a matmul operand (directly, or
+    // through a folded cast) can take `v` as one.
+    let matmuls_take = |v: &View, cons: &[usize]| {
+        cons.iter().all(|&c| {
+            if matches!(g.nodes[c].op, Op::Matmul) {
+                collapses(v)
+            } else if cast_folds[c] {
+                consumers[g.nodes[c].outputs[0].index()]
+                    .iter()
+                    .all(|&m| !matches!(g.nodes[m].op, Op::Matmul) || collapses(v))
+            } else {
+                true
+            }
+        })
+    };
+    // Readers that read an operand through a view.
+    let reads_views = |c: usize| {
+        cast_folds[c]
+            || (elementwise_expr(g, c).is_none()
+                && matches!(
+                    g.nodes[c].op,
+                    Op::Matmul
+                        | Op::Reshape { .. }
+                        | Op::Transpose { .. }
+                        | Op::Slice { .. }
+                        | Op::Expand { .. }
+                        | Op::ReduceSum { .. }
+                        | Op::ReduceMax { .. }
+                        | Op::Concat { .. }
+                        | Op::Attention { .. }
+                        | Op::AttentionBackward { .. }
+                        | Op::Rope { .. }
+                        | Op::CrossEntropy
+                        | Op::CrossEntropyBackward
+                ))
+    };
 
     for k in 0..g.nodes.len() {
         if folded[k] || done[k] {
@@ -215,6 +287,27 @@ pub(crate) fn fused_steps(
         let feeds_reduce = !is_output[out.index()]
             && matches!(cons.as_slice(), [c] if fusable_reduce(g, *c).is_some());
 
+        if cast_folds[k] {
+            let src = n.inputs[0];
+            if inlined[src.index()].is_none() && absorbed[src.index()].is_none() {
+                let v = view_of(&view, src);
+                if matmuls_take(&v, cons) {
+                    view[out.index()] = Some(v);
+                    holds_unrounded[out.index()] = true;
+                    continue;
+                }
+                if view[src.index()].is_some() {
+                    // The layout op made `src` a view for this cast after the same check.
+                    return Err(crate::lower::err(
+                        g,
+                        k,
+                        "internal error: a folded cast's operand view does not suit its matmuls"
+                            .into(),
+                    ));
+                }
+            }
+        }
+
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
             let mut inputs: Vec<MapInput> = Vec::new();
@@ -235,11 +328,24 @@ pub(crate) fn fused_steps(
             }
             let expr = expr.substitute(&parts);
             let (expr, inputs) = dedup_inputs(expr, inputs);
+            // A value equal to one whole operand in memory (a widening cast of bf16, which is
+            // held in f32 slots already) read only through views is a view of that operand: no
+            // copy kernel, no bytes.
+            let same_bits_as_operand = matches!(expr, Expr::Input(0))
+                && matches!(inputs.as_slice(), [i] if i.access == Access::Full
+                    && g.ty(i.value).shape == out_ty.shape);
             if (single_elementwise_consumer || feeds_reduce)
                 && inputs.len() <= limits.max_map_inputs
                 && expr.size() <= limits.max_expr_nodes
             {
                 inlined[out.index()] = Some((expr, inputs));
+            } else if same_bits_as_operand
+                && !is_output[out.index()]
+                && !cons.is_empty()
+                && cons.iter().all(|&c| reads_views(c))
+                && matmuls_take(&View::contiguous(inputs[0].value, &out_ty.shape), cons)
+            {
+                view[out.index()] = Some(View::contiguous(inputs[0].value, &out_ty.shape));
             } else if inputs.len() <= limits.max_map_inputs {
                 steps.push(Step::Map {
                     out,
@@ -338,6 +444,9 @@ pub(crate) fn fused_steps(
             n.op,
             Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Expand { .. }
         );
+        if is_layout {
+            holds_unrounded[out.index()] = holds_unrounded[n.inputs[0].index()];
+        }
         if is_layout && !is_output[out.index()] {
             let src = view_of(&view, n.inputs[0]);
             let v = match &n.op {
@@ -350,43 +459,9 @@ pub(crate) fn fused_steps(
                 _ => None,
             };
             // A numel-1 expand is a Map (a broadcast read), which needs its operand materialized.
-            let readers_take_views = cons.iter().all(|&c| {
-                elementwise_expr(g, c).is_none()
-                    && matches!(
-                        g.nodes[c].op,
-                        Op::Matmul
-                            | Op::Reshape { .. }
-                            | Op::Transpose { .. }
-                            | Op::Slice { .. }
-                            | Op::Expand { .. }
-                            | Op::ReduceSum { .. }
-                            | Op::ReduceMax { .. }
-                            | Op::Concat { .. }
-                            | Op::Attention { .. }
-                            | Op::AttentionBackward { .. }
-                            | Op::Rope { .. }
-                            | Op::CrossEntropy
-                            | Op::CrossEntropyBackward
-                    )
-            });
+            let readers_take_views = cons.iter().all(|&c| reads_views(c));
             if let (Some(v), true) = (v, readers_take_views) {
-                // A matmul reads views whose batch dims collapse; check before committing.
-                let matmul_ok = cons.iter().all(|&c| {
-                    if !matches!(g.nodes[c].op, Op::Matmul) {
-                        return true;
-                    }
-                    let r = v.shape.len();
-                    r == 2 || {
-                        let lead = View {
-                            base: v.base,
-                            offset: v.offset,
-                            shape: v.shape[..r - 2].to_vec(),
-                            strides: v.strides[..r - 2].to_vec(),
-                        };
-                        lead.collapsed().0.len() <= 1
-                    }
-                });
-                if matmul_ok {
+                if matmuls_take(&v, cons) {
                     view[out.index()] = Some(v);
                     continue;
                 }
@@ -395,10 +470,24 @@ pub(crate) fn fused_steps(
         let _ = producer;
         // A matmul whose only reader transposes its last two dims writes the transpose
         // directly: `(a b)ᵀ = bᵀ aᵀ`, the same products summed in the same k order, so the
-        // same bits, and no strided copy (the weight gradients feeding the optimizer).
-        if let (Op::Matmul, [t]) = (&n.op, cons.as_slice()) {
+        // same bits, and no strided copy (the weight gradients feeding the optimizer). A bf16
+        // product's only reader may be its widening cast, read only by that transpose (the
+        // same weight gradients under bf16-mixed): the bf16 result is the cast's value.
+        let rounds_out = out_ty.dtype == DType::BF16;
+        let transposed_reader = match cons.as_slice() {
+            [c] if rounds_out && widens_bf16(g, *c) => {
+                let cast_out = g.nodes[*c].outputs[0];
+                match consumers[cast_out.index()].as_slice() {
+                    [t] if !is_output[cast_out.index()] => Some((Some(*c), *t)),
+                    _ => None,
+                }
+            }
+            [t] => Some((None, *t)),
+            _ => None,
+        };
+        if let (Op::Matmul, Some((cast, t))) = (&n.op, transposed_reader) {
             let r = out_ty.shape.len();
-            let swaps_last_two = match &g.nodes[*t].op {
+            let swaps_last_two = match &g.nodes[t].op {
                 Op::Transpose { perm } => {
                     perm.len() == r
                         && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
@@ -407,7 +496,7 @@ pub(crate) fn fused_steps(
                 }
                 _ => false,
             };
-            if swaps_last_two && !is_output[out.index()] && !folded[*t] {
+            if swaps_last_two && !is_output[out.index()] && !folded[t] {
                 let swapped = |v: View| {
                     let mut perm: Vec<usize> = (0..v.shape.len()).collect();
                     let q = perm.len();
@@ -421,20 +510,34 @@ pub(crate) fn fused_steps(
                 let kk = at.shape[at.shape.len() - 2];
                 if let (Some(b3), Some(a3)) = (as_batched(&bt, batch), as_batched(&at, batch)) {
                     steps.push(Step::Matmul {
-                        out: g.nodes[*t].outputs[0],
+                        out: g.nodes[t].outputs[0],
                         a: b3,
                         b: a3,
                         batch,
                         m: nn,
                         n: m,
                         k: kk,
+                        bf16: Bf16Rounding {
+                            a: holds_unrounded[n.inputs[1].index()],
+                            b: holds_unrounded[n.inputs[0].index()],
+                            out: rounds_out,
+                        },
                     });
-                    done[*t] = true;
+                    done[t] = true;
+                    if let Some(c) = cast {
+                        done[c] = true;
+                    }
                     continue;
                 }
             }
         }
         let mut structural = structural_steps(g, k, &|v| view_of(&view, v))?;
+        for s in &mut structural {
+            if let Step::Matmul { bf16, .. } = s {
+                bf16.a = holds_unrounded[n.inputs[0].index()];
+                bf16.b = holds_unrounded[n.inputs[1].index()];
+            }
+        }
         // An attention output read only through `transpose(0, 2, 1, 3)` (back to `[B, S, H, D]`
         // for the next matmul) is written there directly: the kernel addresses its output
         // through a view, so the transpose costs no copy.
@@ -460,6 +563,39 @@ pub(crate) fn fused_steps(
         steps.extend(structural);
     }
     Ok(steps)
+}
+
+/// Whether node `c` is a cast of bf16 to f32: the same bits, as bf16 is held in f32 slots.
+fn widens_bf16(g: &Graph, c: usize) -> bool {
+    let n = &g.nodes[c];
+    matches!(n.op, Op::Cast { dtype: DType::F32 }) && g.ty(n.inputs[0]).dtype == DType::BF16
+}
+
+/// Whether every reader of `v`, looking through layout ops, is a matmul with a bf16 result,
+/// and `v` is no graph output.
+fn only_bf16_matmuls_read(
+    g: &Graph,
+    consumers: &[Vec<usize>],
+    is_output: &[bool],
+    v: ValueId,
+) -> bool {
+    let cons = &consumers[v.index()];
+    !is_output[v.index()]
+        && !cons.is_empty()
+        && cons.iter().all(|&c| {
+            let n = &g.nodes[c];
+            match n.op {
+                Op::Matmul => g.ty(n.outputs[0]).dtype == DType::BF16,
+                Op::Reshape { .. }
+                | Op::Transpose { .. }
+                | Op::Slice { .. }
+                | Op::Expand { .. } => {
+                    elementwise_expr(g, c).is_none()
+                        && only_bf16_matmuls_read(g, consumers, is_output, n.outputs[0])
+                }
+                _ => false,
+            }
+        })
 }
 
 /// How `Step::MapReduce` can take over node `k`: a sum or max over the trailing dims of its

@@ -19,6 +19,6 @@ pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
 pub use fusion::FusionLimits;
 pub use lower::{lower, lower_with, lower_with_limits};
 pub use program::{
-    kept_composite, Access, AdamWUpdate, Expr, LowerError, MapInput, Mode, Program, ReduceKind,
-    ReduceOver, Step, View,
+    kept_composite, Access, AdamWUpdate, Bf16Rounding, Expr, LowerError, MapInput, Mode, Program,
+    ReduceKind, ReduceOver, Step, View,
 };

@@ -190,6 +190,19 @@ pub enum ReduceOver {
     Outer,
 }
 
+/// What a matmul rounds to bf16 (bf16-mixed): a bf16 product is the f32 sum of products of
+/// bf16 operands, rounded once to bf16 (`out`). `a` and `b` say that the operand holds f32
+/// values the product rounds as it reads them: fusion's place for a `cast` to bf16 that only
+/// bf16 matmuls read (bf16-mixed's weights and saved activations), which then needs no kernel
+/// and no bytes of its own. Eager sets `out` for a bf16 result and never `a` or `b`; fusion
+/// also sets `out` where a bf16 product is written straight into its f32 reader's layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Bf16Rounding {
+    pub a: bool,
+    pub b: bool,
+    pub out: bool,
+}
+
 /// One launch. Values named here are materialized in the arena; outputs are contiguous unless
 /// the step writes them through a `View`.
 #[derive(Clone, Debug, PartialEq)]
@@ -237,6 +250,7 @@ pub enum Step {
         m: usize,
         n: usize,
         k: usize,
+        bf16: Bf16Rounding,
     },
     /// `out[pos] = src[pos with axis replaced by index[pos]]`.
     Gather {

@@ -24,7 +24,7 @@
 //! that reads back to the same bits.
 
 use crate::program::{Access, Expr, MapInput, Mode, Program, ReduceKind, ReduceOver, Step, View};
-use graphtrain_ir::{Collective, ValueId};
+use graphtrain_ir::{Collective, DType, ValueId};
 use std::fmt;
 
 /// Elements of a constant the text shows: enough to recognize a mask or a table, few enough to
@@ -183,6 +183,15 @@ impl<'a> Printer<'a> {
         format!("{}{}", self.at(v.base), self.geometry(v))
     }
 
+    /// A matmul operand: `round_bf16(..)` around a view the product rounds as it reads it.
+    fn operand(&self, v: &View, round_bf16: bool) -> String {
+        if round_bf16 {
+            format!("round_bf16({})", self.read(v))
+        } else {
+            self.read(v)
+        }
+    }
+
     fn write(&self, v: &View) -> String {
         format!("{}{}", self.out(v.base), self.geometry(v))
     }
@@ -279,18 +288,29 @@ impl<'a> Printer<'a> {
                 m,
                 n,
                 k,
+                bf16,
             } => (
                 format!(
                     "{kind} {} <- {}",
                     self.out(*out),
-                    named(&[("a", self.read(a)), ("b", self.read(b))])
+                    named(&[
+                        ("a", self.operand(a, bf16.a)),
+                        ("b", self.operand(b, bf16.b))
+                    ])
                 ),
-                vec![
+                [
                     format!("batch={batch}"),
                     format!("m={m}"),
                     format!("n={n}"),
                     format!("k={k}"),
-                ],
+                ]
+                .into_iter()
+                // A bf16 result is the rule for a bf16 value; say it where the value is not one.
+                .chain(
+                    (bf16.out && self.p.graph.ty(*out).dtype != DType::BF16)
+                        .then(|| "round_out=bf16".to_string()),
+                )
+                .collect(),
             ),
             Step::Gather {
                 out,

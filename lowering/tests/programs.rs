@@ -370,3 +370,42 @@ fn offloaded_values_live_in_host_memory_between_offload_and_reload() {
     }
     insta::assert_snapshot!(both(src));
 }
+
+// bf16-mixed: a cast to bf16 read only by bf16 matmuls (directly or through layout ops) folds
+// into them, which round the f32 operand as they read it (`round_bf16(..)` on the operand, no
+// cast kernel, no bf16 copy): the weight read through its transpose, the activation read by
+// two matmuls. A cast with another reader (`%zb`, also squared) stays a kernel. A widening cast
+// read through views is a view of the bf16 value (`%y` for the reduction), and a bf16 weight
+// gradient read through its widening cast by a transpose is written transposed, rounded
+// (`round_out=bf16`: its f32 output holds a bf16 value). Numerics: tests/backends.rs
+// (`bf16_matmuls_on_cpu_round_their_f32_sums`) and tests/gate.rs (bf16-mixed, fused bitwise
+// eager on `tiny`).
+#[test]
+fn bf16_casts_fold_into_the_matmuls_that_read_them() {
+    insta::assert_snapshot!(both(
+        "graph mixed {
+  input %x: f32[8,8]
+  param %w: f32[6,8]
+  input %gy: f32[8,6]
+  input %z: f32[8,8]
+  %4: f32[8,6] = transpose(%w, perm=[1,0])
+  %5: bf16[8,6] = cast(%4, dtype=bf16)
+  %6: bf16[8,8] = cast(%x, dtype=bf16)
+  %7: bf16[8,6] = matmul(%6, %5)
+  %8: f32[8,6] = cast(%7, dtype=f32)
+  %9: f32[8] = reduce_sum(%8, axes=[1], keepdim=false)
+  %10: bf16[8,6] = cast(%gy, dtype=bf16)
+  %11: bf16[8,8] = transpose(%6, perm=[1,0])
+  %12: bf16[8,6] = matmul(%11, %10)
+  %13: f32[8,6] = cast(%12, dtype=f32)
+  %14: f32[6,8] = transpose(%13, perm=[1,0])
+  %15: bf16[8,8] = cast(%z, dtype=bf16)
+  %16: bf16[8,8] = mul(%15, %15)
+  %17: bf16[8,6] = matmul(%15, %5)
+  output s = %9
+  output gw = %14
+  output q = %16
+  output r = %17
+}"
+    ));
+}

@@ -2,8 +2,10 @@
 //!
 //! Contract:
 //! * `C[b] = A[b] @ B[b]` as f32 sums, C contiguous row-major, overwritten; the caller rounds C
-//!   to bf16. The operands are bf16 values held in f32 slots (low 16 bits zero, which is how the
-//!   cpu backend stores bf16): packing keeps their high halves, exact for such values.
+//!   to bf16. Packing rounds each operand element to bf16 (to nearest, ties to even, as
+//!   `round_bf16` does): the identity on bf16 values held in f32 slots (low 16 bits zero, which
+//!   is how the cpu backend stores bf16), and the cast for the f32 operands a matmul reads
+//!   through a cast that fusion folded into it (`Step::Matmul::round_bf16`).
 //! * Every C element is one chain over k in pairs: `acc += a[2p] b[2p] + a[2p+1] b[2p+1]` for
 //!   p = 0, 1, ..., one `vdpbf16ps` per pair (k odd: a zero pads the last pair). Threads split
 //!   batch x m x n, never k, so the bits depend neither on the thread count nor on the
@@ -38,9 +40,11 @@ pub fn available() -> bool {
     }
 }
 
-/// The bf16 pair (x0, x1) as one 32-bit lane: x0 in the low half, as `vdpbf16ps` reads it.
+/// The bf16 pair (x0, x1), each rounded to bf16, as one 32-bit lane: x0 in the low half, as
+/// `vdpbf16ps` reads it.
 fn pair(x0: f32, x1: f32) -> u32 {
-    (x0.to_bits() >> 16) | (x1.to_bits() & 0xFFFF_0000)
+    let bits = |x: f32| graphtrain_ir::host_tensor::round_bf16(x).to_bits();
+    (bits(x0) >> 16) | (bits(x1) & 0xFFFF_0000)
 }
 
 /// `C = A @ B` over `batch` matrices (see the module's contract).
@@ -323,16 +327,17 @@ mod tests {
     use super::*;
     use graphtrain_ir::host_tensor::round_bf16;
 
-    /// Against a naive f64 sum of the same bf16 values: within f32 rounding, at odd sizes
-    /// (edge tiles, an odd k), row-major and transposed operands (each packing path but the
-    /// general-stride one), a shared B, and any thread count.
+    /// Against a naive f64 sum of the operands rounded to bf16: within f32 rounding, at odd
+    /// sizes (edge tiles, an odd k), row-major and transposed operands (each packing path but
+    /// the general-stride one), a shared B, and any thread count. The operands are given
+    /// unrounded (f32 that are not bf16, rounding up and down), so packing must round them.
     #[test]
     fn matches_the_naive_sum_at_odd_sizes_and_layouts() {
         if !available() {
             eprintln!("skipping: this cpu has no AVX512_BF16");
             return;
         }
-        let value = |i: usize| round_bf16(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
+        let value = |i: usize| ((i * 7919 % 1000) as f32 - 500.0) / 250.0 * 1.000_123_7;
         for &(batch, m, n, k, shared, transposed) in &[
             (1, 13, 37, 33, true, false),
             (2, 100, 65, 7, false, true),
@@ -344,6 +349,12 @@ mod tests {
                 .map(|i| value(i + 17))
                 .collect();
             // A row-major, or stored as its transpose (column-major reads).
+            let (a_given, b_given) = (a.clone(), b.clone());
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                a.into_iter().map(round_bf16).collect(),
+                b.into_iter().map(round_bf16).collect(),
+            );
+            assert!(a.iter().zip(&a_given).any(|(r, g)| r != g));
             let la = if transposed {
                 Layout {
                     batch_stride: m * k,
@@ -387,9 +398,9 @@ mod tests {
                         m,
                         n,
                         k,
-                        a.as_ptr(),
+                        a_given.as_ptr(),
                         la,
-                        b.as_ptr(),
+                        b_given.as_ptr(),
                         lb,
                         c.as_mut_ptr(),
                         threads,

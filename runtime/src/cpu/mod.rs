@@ -37,7 +37,7 @@ use cubecl::prelude::*;
 use gemm::Layout;
 use graphtrain_ir::{Graph, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
-use graphtrain_lowering::{Program, Step, View};
+use graphtrain_lowering::{Bf16Rounding, Program, Step, View};
 use pool::Pool;
 use replay::{BoundLaunch, KernelCache};
 use std::time::{Duration, Instant};
@@ -259,6 +259,7 @@ shape {:?} strides {:?}",
         m: usize,
         n: usize,
         k: usize,
+        rounding: Bf16Rounding,
     ) -> Result<(), RuntimeError> {
         self.sync()?;
         let layout = |v: &View| Layout {
@@ -271,16 +272,27 @@ shape {:?} strides {:?}",
             self.off(b.base) + b.offset,
             self.off(out),
         );
-        let bf16 = self.program.graph.ty(out).dtype == graphtrain_ir::DType::BF16;
+        let bf16 = rounding.out;
         // SAFETY: the views and the output lie inside the arena; the planner never places an
         // output over a live operand.
         let (pa, pb, pc) = unsafe { (self.base.add(ao), self.base.add(bo), self.base.add(co)) };
         let (la, lb, threads) = (layout(a), layout(b), units() as usize);
         if bf16 && self.gemm == gemm::GemmKernel::Widest && gemm_bf16::available() {
-            // SAFETY: as above; the operands of a bf16 product hold bf16 values.
+            // SAFETY: as above. Its packing rounds every operand to bf16.
             unsafe { gemm_bf16::gemm_bf16(batch, m, n, k, pa, la, pb, lb, pc, threads) };
         } else {
-            // SAFETY: as above.
+            // The f32 GEMM reads operands as they are: f32 operands of a bf16 product (a cast
+            // fusion folded into it) are rounded into a copy first.
+            // SAFETY: the views lie inside the arena (as above).
+            let a_copy = (bf16 && rounding.a).then(|| unsafe { rounded_copy(pa, la, batch, m, k) });
+            let b_copy = (bf16 && rounding.b).then(|| unsafe { rounded_copy(pb, lb, batch, k, n) });
+            let (pa, la) = a_copy
+                .as_ref()
+                .map_or((pa as *const f32, la), |(c, l)| (c.as_ptr(), *l));
+            let (pb, lb) = b_copy
+                .as_ref()
+                .map_or((pb as *const f32, lb), |(c, l)| (c.as_ptr(), *l));
+            // SAFETY: as above; the copies hold what their layouts name.
             unsafe { gemm::sgemm_with(self.gemm, batch, m, n, k, pa, la, pb, lb, pc, threads) };
         }
         if bf16 {
@@ -668,6 +680,40 @@ fn for_each_row(
     Ok(())
 }
 
+/// The `[batch, rows, cols]` operand at `p` read through `layout`, rounded to bf16 into a
+/// contiguous copy (one matrix where the batch stride is 0, as the operand shares it), with the
+/// copy's layout.
+///
+/// # Safety
+/// `p` must address every element `layout` names for that shape.
+unsafe fn rounded_copy(
+    p: *const f32,
+    layout: Layout,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+) -> (Vec<f32>, Layout) {
+    let batches = if layout.batch_stride == 0 { 1 } else { batch };
+    let mut copy = Vec::with_capacity(batches * rows * cols);
+    for bi in 0..batches {
+        for i in 0..rows {
+            for j in 0..cols {
+                let at = bi * layout.batch_stride + i * layout.row_stride + j * layout.col_stride;
+                // SAFETY: (bi, i, j) is inside the operand (the caller's contract).
+                copy.push(graphtrain_ir::host_tensor::round_bf16(unsafe {
+                    *p.add(at)
+                }));
+            }
+        }
+    }
+    let copied = Layout {
+        batch_stride: if batches == 1 { 0 } else { rows * cols },
+        row_stride: cols,
+        col_stride: 1,
+    };
+    (copy, copied)
+}
+
 fn check_index(x: f32, bound: usize, pos: usize) -> Result<usize, RuntimeError> {
     if x < 0.0 || x as usize >= bound || x.fract() != 0.0 {
         return Err(RuntimeError::Input(format!(
@@ -830,8 +876,9 @@ impl CpuExecutor {
                     m,
                     n,
                     k,
+                    bf16,
                 } => {
-                    self.matmul(*out, a, b, *batch, *m, *n, *k)?;
+                    self.matmul(*out, a, b, *batch, *m, *n, *k, *bf16)?;
                     Ok(timeline::HOST)
                 }
                 _ => {

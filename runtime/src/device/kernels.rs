@@ -16,7 +16,8 @@ use cubecl::prelude::*;
 
 /// `c[b, i, j] = Σ_k a[b, i, k] · b[b, k, j]` over strided `a` and `b` (element strides per
 /// batch, row and column), into a contiguous `[batch, m, n]` output at `c`, rounded to bf16
-/// when `round_bf16` is 1.
+/// when `round_bf16` is 1. Bit 0 of `round_in` rounds each element of `a` to bf16 as it is
+/// read, bit 1 each of `b` (f32 operands a bf16 product reads through a folded cast).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_kernel(
@@ -35,6 +36,7 @@ pub fn matmul_kernel(
     k: usize,
     total: usize,
     round_bf16: u32,
+    round_in: u32,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
@@ -47,7 +49,8 @@ pub fn matmul_kernel(
         let col = b + batch * b_batch + j * b_col;
         let mut acc = f32::new(0.0);
         for kk in 0..k {
-            acc += arena[row + kk * a_col] * arena[col + kk * b_row];
+            acc += rounded(arena[row + kk * a_col], round_in & 1)
+                * rounded(arena[col + kk * b_row], (round_in >> 1) & 1);
         }
         arena[c + e] = rounded(acc, round_bf16);
         e += units;
@@ -109,6 +112,7 @@ pub fn matmul_tiled_kernel(
     n: usize,
     k: usize,
     round_bf16: u32,
+    round_in: u32,
 ) {
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
@@ -125,13 +129,13 @@ pub fn matmul_tiled_kernel(
         let ka = t * 16 + tx;
         let mut va = f32::new(0.0);
         if i < m && ka < k {
-            va = arena[row + ka * a_col];
+            va = rounded(arena[row + ka * a_col], round_in & 1);
         }
         a_tile[ty * 16 + tx] = va;
         let kb = t * 16 + ty;
         let mut vb = f32::new(0.0);
         if j < n && kb < k {
-            vb = arena[col + kb * b_row];
+            vb = rounded(arena[col + kb * b_row], (round_in >> 1) & 1);
         }
         b_tile[ty * 16 + tx] = vb;
         sync_cube();

@@ -498,6 +498,7 @@ collectives through host memory (device_collectives=host or auto)",
                 m,
                 n,
                 k,
+                bf16,
             } => {
                 let total = batch * m * n;
                 if total == 0 {
@@ -505,7 +506,8 @@ collectives through host memory (device_collectives=host or auto)",
                 }
                 let (ao, bo) = (self.off(a.base) + a.offset, self.off(b.base) + b.offset);
                 // bf16-mixed: bf16 operands (held in f32 slots) summed in f32, rounded once.
-                let round_bf16 = u32::from(g.ty(*out).dtype == graphtrain_ir::DType::BF16);
+                let round_bf16 = u32::from(bf16.out);
+                let round_in = round_bf16 * (u32::from(bf16.a) | (u32::from(bf16.b) << 1));
                 if self.tiled_matmul {
                     let count = CubeCount::Static(
                         n.div_ceil(16) as u32,
@@ -533,6 +535,7 @@ collectives through host memory (device_collectives=host or auto)",
                             *n,
                             *k,
                             round_bf16,
+                            round_in,
                         )
                     };
                     return Ok(());
@@ -560,6 +563,7 @@ collectives through host memory (device_collectives=host or auto)",
                         *k,
                         total,
                         round_bf16,
+                        round_in,
                     )
                 };
             }
