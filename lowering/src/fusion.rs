@@ -12,10 +12,12 @@
 //!   output view;
 //! - bf16-mixed's casts: a cast of f32 to bf16 that only bf16 matmuls read (through layout ops)
 //!   is a view of its operand, which those matmuls round as they read it
-//!   (`Bf16Rounding::a`/`b`: the same rounding the cast kernel does); a widening cast of bf16
-//!   (the same bits: bf16 is held in f32 slots) read only through views is a view too. Neither
+//!   (`Bf16Rounding::a`/`b`: the same rounding the cast kernel does); a cast that changes no
+//!   stored bit (bf16 widened to f32: bf16 is held in f32 slots), of a value in memory, that
+//!   only elementwise ops and views read is that value (its readers read the operand). Neither
 //!   takes a kernel or arena bytes: the weights are no longer transposed and rounded into a copy
-//!   for every matmul, and the copies are not held until the backward;
+//!   for every matmul, no bf16 copy is held until the backward, and SiLU's output is recomputed
+//!   by its readers from the bf16 product as in f32 (so `peer`'s arena is f32's);
 //! - elementwise chains become one `Map`: a value with one elementwise reader of its size is
 //!   computed inside that reader's kernel; so is a value with two readers whose single-use
 //!   chains meet again within `FusionLimits::converge_hops` (SiLU's gradient), and one op over
@@ -159,11 +161,15 @@ pub(crate) fn fused_steps(
     // Expands read by elementwise ops only: the readers take the source with a broadcast access
     // instead of a materialized copy.
     let mut absorbed: Vec<Option<MapInput>> = vec![None; nv];
-    let operand = |absorbed: &Vec<Option<MapInput>>, v: ValueId, out_len: usize| {
-        absorbed[v.index()]
-            .clone()
-            .unwrap_or_else(|| MapInput::direct(g, v, out_len))
-    };
+    // Casts that change no bit of the stored value (bf16 widened to f32: bf16 is held in f32
+    // slots) read by elementwise ops and views only: readers read the operand itself.
+    let mut alias: Vec<Option<ValueId>> = vec![None; nv];
+    let operand =
+        |absorbed: &Vec<Option<MapInput>>, alias: &Vec<Option<ValueId>>, v: ValueId, out_len| {
+            absorbed[v.index()]
+                .clone()
+                .unwrap_or_else(|| MapInput::direct(g, alias[v.index()].unwrap_or(v), out_len))
+        };
     let mut steps = Vec::new();
     // Nodes whose output an earlier step already wrote (a transpose of a matmul result).
     let mut done = vec![false; g.nodes.len()];
@@ -274,7 +280,7 @@ pub(crate) fn fused_steps(
             && n.inputs.iter().all(|&v| inlined[v.index()].is_none())
             && n.inputs
                 .iter()
-                .filter(|&&v| operand(&absorbed, v, out_len).access == Access::Full)
+                .filter(|&&v| operand(&absorbed, &alias, v, out_len).access == Access::Full)
                 .count()
                 <= 1;
         let single_elementwise_consumer = !is_output[out.index()]
@@ -308,12 +314,34 @@ pub(crate) fn fused_steps(
             }
         }
 
+        // A cast that changes no stored bit, of a value in memory, that elementwise ops and
+        // views alone read is that value: no kernel, no bytes.
+        if matches!(n.op, Op::Cast { .. })
+            && elementwise_expr(g, k) == Some(Expr::Input(0))
+            && !is_output[out.index()]
+            && !cons.is_empty()
+            && cons
+                .iter()
+                .all(|&c| same_size_elementwise(c) || reads_views(c))
+        {
+            let src = n.inputs[0];
+            let in_memory = inlined[src.index()].is_none()
+                && absorbed[src.index()].is_none()
+                && (view[src.index()].is_none() || alias[src.index()].is_some());
+            if in_memory {
+                let base = alias[src.index()].unwrap_or(src);
+                alias[out.index()] = Some(base);
+                view[out.index()] = Some(View::contiguous(base, &out_ty.shape));
+                continue;
+            }
+        }
+
         if let Some(expr) = elementwise_expr(g, k) {
             // Compose with inlined producers.
             let mut inputs: Vec<MapInput> = Vec::new();
             let mut parts: Vec<Expr> = Vec::new();
             for &v in &n.inputs {
-                let read = operand(&absorbed, v, out_len);
+                let read = operand(&absorbed, &alias, v, out_len);
                 match (&inlined[v.index()], read.access) {
                     (Some((e, ins)), Access::Full) => {
                         let shifted = e.clone().shift_inputs(inputs.len() as u32);
@@ -328,24 +356,11 @@ pub(crate) fn fused_steps(
             }
             let expr = expr.substitute(&parts);
             let (expr, inputs) = dedup_inputs(expr, inputs);
-            // A value equal to one whole operand in memory (a widening cast of bf16, which is
-            // held in f32 slots already) read only through views is a view of that operand: no
-            // copy kernel, no bytes.
-            let same_bits_as_operand = matches!(expr, Expr::Input(0))
-                && matches!(inputs.as_slice(), [i] if i.access == Access::Full
-                    && g.ty(i.value).shape == out_ty.shape);
             if (single_elementwise_consumer || feeds_reduce)
                 && inputs.len() <= limits.max_map_inputs
                 && expr.size() <= limits.max_expr_nodes
             {
                 inlined[out.index()] = Some((expr, inputs));
-            } else if same_bits_as_operand
-                && !is_output[out.index()]
-                && !cons.is_empty()
-                && cons.iter().all(|&c| reads_views(c))
-                && matmuls_take(&View::contiguous(inputs[0].value, &out_ty.shape), cons)
-            {
-                view[out.index()] = Some(View::contiguous(inputs[0].value, &out_ty.shape));
             } else if inputs.len() <= limits.max_map_inputs {
                 steps.push(Step::Map {
                     out,
@@ -365,7 +380,7 @@ pub(crate) fn fused_steps(
                             expr: e,
                         });
                     }
-                    direct.push(operand(&absorbed, v, out_len));
+                    direct.push(operand(&absorbed, &alias, v, out_len));
                 }
                 let expr = elementwise_expr(g, k).expect("checked above");
                 steps.push(Step::Map {

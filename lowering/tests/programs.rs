@@ -374,8 +374,8 @@ fn offloaded_values_live_in_host_memory_between_offload_and_reload() {
 // bf16-mixed: a cast to bf16 read only by bf16 matmuls (directly or through layout ops) folds
 // into them, which round the f32 operand as they read it (`round_bf16(..)` on the operand, no
 // cast kernel, no bf16 copy): the weight read through its transpose, the activation read by
-// two matmuls. A cast with another reader (`%zb`, also squared) stays a kernel. A widening cast
-// read through views is a view of the bf16 value (`%y` for the reduction), and a bf16 weight
+// two matmuls. A cast with another reader (`%15`, also squared) stays a kernel. A widening cast
+// read by views and elementwise ops is the bf16 value (`%8` for the reduction), and a bf16 weight
 // gradient read through its widening cast by a transpose is written transposed, rounded
 // (`round_out=bf16`: its f32 output holds a bf16 value). Numerics: tests/backends.rs
 // (`bf16_matmuls_on_cpu_round_their_f32_sums`) and tests/gate.rs (bf16-mixed, fused bitwise

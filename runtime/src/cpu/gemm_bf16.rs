@@ -47,6 +47,52 @@ fn pair(x0: f32, x1: f32) -> u32 {
     (bits(x0) >> 16) | (bits(x1) & 0xFFFF_0000)
 }
 
+/// `out[i] = pair(x0[i], x1[i])`, with zeros for a missing `x1` (an odd k's last pair): two
+/// rows (or columns) of an operand that hold pairs' first and second elements side by side.
+fn side_by_side(x0: &[f32], x1: Option<&[f32]>, out: &mut [u32]) {
+    let len = out.len();
+    assert!(x0.len() >= len && x1.is_none_or(|x1| x1.len() >= len));
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    while done < len {
+        let live = (len - done).min(16);
+        // SAFETY: `gemm_bf16`'s caller checked `available()`; the masks touch `live` lanes from
+        // `done`, inside the slices (asserted above).
+        unsafe {
+            simd::side_by_side_16(
+                x0.as_ptr().add(done),
+                x1.map(|x1| x1.as_ptr().add(done)),
+                out.as_mut_ptr().add(done),
+                live,
+            )
+        };
+        done += live;
+    }
+    for i in done..len {
+        out[i] = pair(x0[i], x1.map_or(0.0, |x1| x1[i]));
+    }
+}
+
+/// `out[p * stride] = pair(x[2p], x[2p + 1])` for every pair of `x` (a zero after an odd last
+/// element): a row (or column) of an operand whose neighbours are pairs.
+fn neighbours(x: &[f32], out: &mut [u32], stride: usize) {
+    let pairs = x.len().div_ceil(2);
+    assert!(pairs == 0 || out.len() > (pairs - 1) * stride);
+    let mut p = 0;
+    #[cfg(target_arch = "x86_64")]
+    while p + 16 <= x.len() / 2 {
+        // SAFETY: as in `side_by_side`; 32 elements from 2p are inside `x`.
+        let lanes = unsafe { simd::neighbours_16(x.as_ptr().add(2 * p)) };
+        for (q, lane) in lanes.into_iter().enumerate() {
+            out[(p + q) * stride] = lane;
+        }
+        p += 16;
+    }
+    for q in p..pairs {
+        out[q * stride] = pair(x[2 * q], x.get(2 * q + 1).copied().unwrap_or(0.0));
+    }
+}
+
 /// `C = A @ B` over `batch` matrices (see the module's contract).
 ///
 /// # Safety
@@ -108,30 +154,17 @@ pub unsafe fn gemm_bf16(
                     std::slice::from_raw_parts(bp.at(origin + 2 * p * lb.row_stride), cols)
                 };
                 let out = &mut dst[p * NR..p * NR + cols];
-                if 2 * p + 1 < k {
-                    let r1 = unsafe {
-                        std::slice::from_raw_parts(
-                            bp.at(origin + (2 * p + 1) * lb.row_stride),
-                            cols,
-                        )
-                    };
-                    for ((o, &x0), &x1) in out.iter_mut().zip(r0).zip(r1) {
-                        *o = pair(x0, x1);
-                    }
-                } else {
-                    for (o, &x0) in out.iter_mut().zip(r0) {
-                        *o = pair(x0, 0.0);
-                    }
-                }
+                let r1 = (2 * p + 1 < k).then(|| unsafe {
+                    std::slice::from_raw_parts(bp.at(origin + (2 * p + 1) * lb.row_stride), cols)
+                });
+                side_by_side(r0, r1, out);
             }
         } else if lb.row_stride == 1 {
             for lane in 0..cols {
                 // SAFETY: column `panel * NR + lane` holds k elements from its start.
                 let col =
                     unsafe { std::slice::from_raw_parts(bp.at(origin + lane * lb.col_stride), k) };
-                for (p, two) in col.chunks(2).enumerate() {
-                    dst[p * NR + lane] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
-                }
+                neighbours(col, &mut dst[lane..], NR);
             }
         } else {
             for p in 0..pairs {
@@ -187,18 +220,8 @@ pub unsafe fn gemm_bf16(
                     let live = (height - tile * MR).min(MR);
                     let out = &mut packed_a[(tile * pairs + p) * MR..][..live];
                     let x0 = &c0[tile * MR..tile * MR + live];
-                    match c1 {
-                        Some(c1) => {
-                            let x1 = &c1[tile * MR..tile * MR + live];
-                            for ((o, &a0), &a1) in out.iter_mut().zip(x0).zip(x1) {
-                                *o = pair(a0, a1);
-                            }
-                        }
-                        None => out
-                            .iter_mut()
-                            .zip(x0)
-                            .for_each(|(o, &a0)| *o = pair(a0, 0.0)),
-                    }
+                    let x1 = c1.map(|c1| &c1[tile * MR..tile * MR + live]);
+                    side_by_side(x0, x1, out);
                 }
             }
         } else if la.col_stride == 1 {
@@ -207,10 +230,7 @@ pub unsafe fn gemm_bf16(
                 let row =
                     unsafe { std::slice::from_raw_parts(ap.at(origin + r * la.row_stride), k) };
                 let (tile, lane) = (r / MR, r % MR);
-                for (p, two) in row.chunks(2).enumerate() {
-                    packed_a[(tile * pairs + p) * MR + lane] =
-                        pair(two[0], two.get(1).copied().unwrap_or(0.0));
-                }
+                neighbours(row, &mut packed_a[tile * pairs * MR + lane..], MR);
             }
         } else {
             for r in 0..height {
@@ -322,10 +342,141 @@ unsafe fn tile_12x32(
     }
 }
 
+/// Packing 16 pairs at a time: `round_bf16` on integer lanes (so denormals round as the cast
+/// kernels round them, which `vcvtne2ps2bf16` would flush), then each pair's two high halves
+/// into one lane.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// `round_bf16`'s bits of 16 lanes: nearest, ties to even, NaN kept as it is.
+    #[target_feature(enable = "avx512f")]
+    fn rounded(x: __m512i) -> __m512i {
+        let kept_low = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(kept_low, _mm512_set1_epi32(0x7FFF));
+        let r = _mm512_and_si512(_mm512_add_epi32(x, bias), _mm512_set1_epi32(-65536));
+        let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        _mm512_mask_blend_epi32(nan, r, x)
+    }
+
+    /// `pair` of each lane of `x0` and `x1`.
+    #[target_feature(enable = "avx512f")]
+    fn paired(x0: __m512i, x1: __m512i) -> __m512i {
+        _mm512_or_si512(
+            _mm512_srli_epi32::<16>(rounded(x0)),
+            _mm512_and_si512(rounded(x1), _mm512_set1_epi32(-65536)),
+        )
+    }
+
+    /// `out[i] = pair(x0[i], x1[i])` (zero for a missing `x1`) for the first `live` (<= 16) lanes.
+    ///
+    /// # Safety
+    /// `live` elements must be readable from `x0` (and `x1`) and writable at `out`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn side_by_side_16(
+        x0: *const f32,
+        x1: Option<*const f32>,
+        out: *mut u32,
+        live: usize,
+    ) {
+        let mask = if live >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << live) - 1) as __mmask16
+        };
+        // SAFETY: the masked lanes are inside the caller's slices.
+        unsafe {
+            let a = _mm512_maskz_loadu_epi32(mask, x0 as *const i32);
+            let b = match x1 {
+                Some(x1) => _mm512_maskz_loadu_epi32(mask, x1 as *const i32),
+                None => _mm512_setzero_si512(),
+            };
+            _mm512_mask_storeu_epi32(out as *mut i32, mask, paired(a, b));
+        }
+    }
+
+    /// `pair(x[2q], x[2q + 1])` for q in 0..16.
+    ///
+    /// # Safety
+    /// 32 elements must be readable from `x`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn neighbours_16(x: *const f32) -> [u32; 16] {
+        // SAFETY: 32 elements from `x` (the caller's contract).
+        let (lo, hi) = unsafe {
+            (
+                _mm512_loadu_si512(x as *const _),
+                _mm512_loadu_si512(x.add(16) as *const _),
+            )
+        };
+        // Even elements (pairs' first) and odd ones (second) of the 32, in pair order.
+        let evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        let odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        let first = _mm512_permutex2var_epi32(lo, evens, hi);
+        let second = _mm512_permutex2var_epi32(lo, odds, hi);
+        let mut lanes = [0u32; 16];
+        // SAFETY: `lanes` holds 16 lanes.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, paired(first, second)) };
+        lanes
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use graphtrain_ir::host_tensor::round_bf16;
+
+    /// The vector packing paths give `pair`'s bits, lane for lane, on the values rounding
+    /// treats specially: ties (to even, both ways), denormals (rounded, not flushed), NaN (kept,
+    /// payload and all), infinities, the largest finite values (which round to infinity), -0.
+    #[test]
+    fn vector_packing_rounds_as_pair_does() {
+        if !available() {
+            eprintln!("skipping: this cpu has no AVX512_BF16");
+            return;
+        }
+        let special = [
+            0x3F80_8000u32, // 1 + 2^-8: a tie, kept part even: down
+            0x3F81_8000,    // a tie, kept part odd: up
+            0x3F80_8001,    // just above a tie: up
+            0x0000_8000,    // a denormal tie
+            0x0001_7FFF,    // a denormal below a tie
+            0x007F_FFFF,    // the largest denormal: up to the smallest normal
+            0x7FC0_1234,    // a quiet NaN with a payload in the dropped half
+            0x7FFF_FFFF,    // a NaN that rounding would carry into the sign (-0)
+            0xFFBF_FFFF,    // a NaN that rounding would carry into its kept half
+            0xFF80_0001,    // a signalling NaN
+            0x7F80_0000,    // infinity
+            0x7F7F_FFFF,    // the largest finite: up to infinity
+            0x8000_0000,    // -0
+            0xBF7F_7FFF,
+        ];
+        let xs: Vec<f32> = (0..77)
+            .map(|i| f32::from_bits(special[i % special.len()] ^ ((i as u32 / 12) << 24)))
+            .collect();
+        for len in [0, 1, 12, 16, 17, 33, 70] {
+            let (x0, x1) = (&xs[..len], &xs[3..3 + len]);
+            let mut got = vec![0u32; len];
+            side_by_side(x0, Some(x1), &mut got);
+            let want: Vec<u32> = x0.iter().zip(x1).map(|(&a, &b)| pair(a, b)).collect();
+            assert_eq!(got, want, "side by side, {len} lanes");
+            side_by_side(x0, None, &mut got);
+            let want: Vec<u32> = x0.iter().map(|&a| pair(a, 0.0)).collect();
+            assert_eq!(got, want, "side by side with no second row, {len} lanes");
+            let pairs = len.div_ceil(2);
+            let stride = 3;
+            let mut got = vec![0u32; pairs * stride];
+            neighbours(x0, &mut got, stride);
+            for q in 0..pairs {
+                let want = pair(x0[2 * q], x0.get(2 * q + 1).copied().unwrap_or(0.0));
+                assert_eq!(
+                    got[q * stride],
+                    want,
+                    "neighbours, {len} elements, pair {q}"
+                );
+            }
+        }
+    }
 
     /// Against a naive f64 sum of the operands rounded to bf16: within f32 rounding, at odd
     /// sizes (edge tiles, an odd k), row-major and transposed operands (each packing path but
