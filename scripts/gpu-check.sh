@@ -4,21 +4,22 @@
 #
 #   1. builds graphtrain with `--features cuda` (release);
 #   2. numerics: `tiny`, 5 steps of fixed data, on cuda (fused) and on the reference
-#      interpreter; every loss must agree within 1e-4 relative, or the script fails;
+#      interpreter; every loss must agree within 1e-4 relative, or the script fails; and cuda
+#      with CUDA graphs (the default) must print the losses it prints without them
+#      (`--tuning device_graphs=off`), digit for digit;
 #   3. speed: `bench` on `peer` and on two layers at 8b's width (dim 4096, ffn 14336, 32/8
-#      heads, vocab 32000, seq 1024), f32, with and without the `capture` pass, tokens/s and MFU as `bench`
-#      prints them (on `peer` also with the one-unit-per-output matmul instead of the tiled
-#      one); then the same with `--precision bf16-mixed` (on cuda its matmuls sum in f32 and
-#      round to bf16: no tensor cores yet).
+#      heads, vocab 32000, seq 1024), f32, with and without CUDA graphs, tokens/s and MFU as
+#      `bench` prints them (on `peer` also with the one-unit-per-output matmul instead of the
+#      tiled one); then the same with `--precision bf16-mixed` (on cuda its matmuls sum in f32
+#      and round to bf16: no tensor cores yet).
 #
 #   scripts/gpu-check.sh [OUT_DIR]
 #
 # GPU_CHECK_BACKEND (default cuda) and GPU_CHECK_FEATURES (default cuda) let the script be tried
 # where there is no NVIDIA GPU: `GPU_CHECK_BACKEND=wgpu GPU_CHECK_FEATURES=wgpu` on lavapipe.
 # OUT_DIR defaults to $OUT (set on the lent machine) or ./gpu-check-out. Every command's output
-# goes to OUT_DIR/NAME.log and one line per check to OUT_DIR/summary.txt. CUDA graphs are not
-# built: on cuda `capture` tags regions that the device backend runs launch by launch, so the
-# two capture rows measure the same thing until they are (the summary says so).
+# goes to OUT_DIR/NAME.log and one line per check to OUT_DIR/summary.txt. `bench` prints how
+# many of the Program's steps its device graphs replay.
 set -uo pipefail
 out="${1:-${OUT:-gpu-check-out}}"
 mkdir -p "$out"
@@ -52,6 +53,17 @@ for b in reference "$backend"; do
   timeout 120 "$bin" run --config tiny --steps 5 --data fixed --backend "$b" \
     >"$out/tiny-$b.log" 2>&1 || { say "tiny on $b: FAILED (see $out/tiny-$b.log)"; status=1; }
 done
+timeout 120 "$bin" run --config tiny --steps 5 --data fixed --backend "$backend" \
+  --tuning device_graphs=off >"$out/tiny-$backend-no-graphs.log" 2>&1 ||
+  { say "tiny on $backend without device graphs: FAILED"; status=1; }
+if [ "$(losses "$out/tiny-$backend.log")" = "$(losses "$out/tiny-$backend-no-graphs.log")" ] &&
+  [ -n "$(losses "$out/tiny-$backend.log")" ]; then
+  say "numerics: tiny, 5 steps, $backend with device graphs prints the losses it prints without: ok"
+else
+  say "numerics: tiny, $backend with and without device graphs: MISMATCH"
+  paste <(losses "$out/tiny-$backend.log") <(losses "$out/tiny-$backend-no-graphs.log") | tee -a "$summary"
+  status=1
+fi
 if [ "$status" = 0 ]; then
   if paste <(losses "$out/tiny-reference.log") <(losses "$out/tiny-$backend.log") | awk '
       NF != 4 || $1 != $3 { bad = 1; next }
@@ -75,6 +87,7 @@ bench() { # NAME CONFIG EXTRA...
   if timeout 150 "$bin" bench --config "$config" --backend "$backend" --steps 5 --warmup 2 "$@" \
     >"$out/$name.log" 2>&1; then
     say "$name: $(grep -E '^summary:' "$out/$name.log" | sed 's/^summary: //')"
+    grep -E '^device graphs:' "$out/$name.log" | sed "s/^/$name: /" | tee -a "$summary"
   else
     say "$name: did not run: $(grep -vE '^step' "$out/$name.log" | tail -1)"
   fi
@@ -83,7 +96,7 @@ for config in peer 8b-width; do
   file="$config"
   [ "$config" = 8b-width ] && file="$out/8b-width.ron"
   bench "$config-f32" "$file" --passes default
-  bench "$config-f32-no-capture" "$file" --passes default --disable-pass capture
+  bench "$config-f32-no-graphs" "$file" --passes default --tuning device_graphs=off
   # The tiled matmul is cuda's default; the one-unit-per-output kernel beside it, on peer only
   # (at 8b's width it would take minutes).
   [ "$config" = peer ] && bench "$config-f32-per-output-matmul" "$file" --passes default --tuning device_matmul=per_output
@@ -93,6 +106,5 @@ for config in peer 8b-width; do
     break
   fi
 done
-say "note: CUDA graphs are not built; with and without capture run the same launches on cuda"
 say "done in $((SECONDS - started)) s"
 exit "$status"

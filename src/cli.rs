@@ -615,7 +615,9 @@ pub struct TrainArgs {
     /// `per_output`: the wgpu and cuda matmul kernel; `auto` is tiled on cuda, per-output on
     /// wgpu), `device_collectives` (`auto`, `nccl` or `host`: how cuda ranks move collectives;
     /// `auto` is NCCL where there are as many GPUs as ranks; `nccl` for ranks on several
-    /// machines), `threads_per_rank` (on a mesh of threads). `search` varies them and prints what
+    /// machines), `device_graphs` (`on` or `off`: whether wgpu and cuda record the capture
+    /// pass's regions as device graphs and replay them; on by default), `threads_per_rank` (on
+    /// a mesh of threads). `search` varies them and prints what
     /// it found in this form.
     #[arg(long, default_value = "")]
     pub tuning: String,
@@ -813,6 +815,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         timeline: false,
         device_matmul: Default::default(),
         device_collectives: Default::default(),
+        device_graphs: Default::default(),
         // The launcher's index of this process on its machine picks its GPU (OpenMPI, MPICH,
         // Slurm); without one, a rank's index does.
         device_index: [
@@ -959,6 +962,11 @@ impl TrainArgs {
                 "--tuning device_matmul: the kernel is the device backends' (wgpu, cuda); --backend {backend} has its own"
             ));
         }
+        if tuning.device_graphs.is_some() && !matches!(backend, Backend::Wgpu | Backend::Cuda) {
+            return Err(format!(
+                "--tuning device_graphs: device graphs are the device backends' (wgpu, cuda); --backend {backend} replays captured regions its own way"
+            ));
+        }
         let mesh = self.mesh.mesh_run_tuned(tuning)?;
         if mesh.is_some() && backend == Backend::Reference {
             return Err(
@@ -984,6 +992,7 @@ impl TrainArgs {
                 runtime: RuntimeOptions {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
                     device_matmul: tuning.device_matmul.unwrap_or(from_env.device_matmul),
+                    device_graphs: tuning.device_graphs.unwrap_or(from_env.device_graphs),
                     device_collectives: tuning
                         .device_collectives
                         .unwrap_or(from_env.device_collectives),
@@ -2735,6 +2744,10 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
     );
     if let Some(r) = trainer.profile_report() {
         say!("{r}");
+    }
+    if let Some((graphs, steps)) = trainer.device_graphs() {
+        let total = trainer.program().map_or(0, |p| p.steps.len());
+        say!("device graphs: {graphs} recorded, replaying {steps} of the Program's {total} steps");
     }
     let mib_or_na = |b: Option<usize>| {
         b.map(|b| format!("{:.0}MiB", b as f64 / MIB))

@@ -107,6 +107,9 @@ pub fn check_pipeline_tuned(
     if let Some(how) = tuning.device_collectives {
         optimized.runtime.device_collectives = how;
     }
+    if let Some(graphs) = tuning.device_graphs {
+        optimized.runtime.device_graphs = graphs;
+    }
     if let Some(kernel) = tuning.device_matmul {
         optimized.runtime.device_matmul = kernel;
     }

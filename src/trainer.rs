@@ -750,15 +750,21 @@ has {ty}",
         self.exec.program()
     }
 
-    /// Time by step kind, when profiling was asked for (`RuntimeOptions::profile`, compiled
-    /// backends).
     /// What the backend measures its memory to hold (a device's allocator, offloaded bytes).
     pub fn measured_memory(&self) -> Option<graphtrain_runtime::MeasuredMemory> {
         self.exec.measured_memory()
     }
 
+    /// Time by step kind, when profiling was asked for (`RuntimeOptions::profile`, compiled
+    /// backends).
     pub fn profile_report(&mut self) -> Option<String> {
         self.exec.profile_report()
+    }
+
+    /// The device graphs the step replays (device backends): how many, and how many of the
+    /// Program's steps they hold.
+    pub fn device_graphs(&self) -> Option<(usize, usize)> {
+        self.exec.device_graphs()
     }
 
     /// Turns timeline recording on or off for the steps that follow (each recorded step is

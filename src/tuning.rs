@@ -1,20 +1,21 @@
 //! Settings that change how fast a step runs and never its graph: the lowering's fusion limits,
-//! the cpu backend's GEMM kernel, the device backends' matmul kernel and collectives, and the
-//! compute threads of each rank on a mesh. `--tuning`
+//! the cpu backend's GEMM kernel, the device backends' matmul kernel, collectives and device
+//! graphs, and the compute threads of each rank on a mesh. `--tuning`
 //! sets them for `run`, `bench` and `search`; the search's setting knobs vary them, writing them
 //! after a candidate's passes in the same `name=value` form (`cse,capture,gemm=avx2`).
 
 use graphtrain_lowering::FusionLimits;
-use graphtrain_runtime::options::{DeviceCollectives, DeviceMatmul, GemmKernel};
+use graphtrain_runtime::options::{DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel};
 
 /// The settings `--tuning` and the search know, in the order a candidate lists them.
-pub const SETTINGS: [&str; 7] = [
+pub const SETTINGS: [&str; 8] = [
     "fusion.max_map_inputs",
     "fusion.max_expr_nodes",
     "fusion.converge_hops",
     "gemm",
     "device_matmul",
     "device_collectives",
+    "device_graphs",
     "threads_per_rank",
 ];
 
@@ -30,6 +31,8 @@ pub struct Tuning {
     /// How the device backends move collectives (NCCL on `cuda` with several ranks, through
     /// host memory otherwise, when unset).
     pub device_collectives: Option<DeviceCollectives>,
+    /// Whether the device backends replay captured regions as device graphs (on when unset).
+    pub device_graphs: Option<DeviceGraphs>,
     /// Compute threads of each rank (a mesh's `--threads-per-rank` when unset).
     pub threads_per_rank: Option<usize>,
 }
@@ -82,6 +85,13 @@ impl Tuning {
                                 "`{entry}`: `device_collectives` takes auto, nccl or host"
                             ))
                         }
+                    })
+                }
+                "device_graphs" => {
+                    t.device_graphs = Some(match value {
+                        "on" => DeviceGraphs::On,
+                        "off" => DeviceGraphs::Off,
+                        _ => return Err(format!("`{entry}`: `device_graphs` takes on or off")),
                     })
                 }
                 "threads_per_rank" => {

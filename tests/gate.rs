@@ -104,6 +104,52 @@ fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
     }
 }
 
+/// Device graphs (on wgpu, cubecl's software graphs: each capture region's launches resolved
+/// once and replayed) give the bits of dispatching every launch: `tiny` through the default
+/// pipeline, graphs on (the default) and off, each bitwise the eager step after 5 AdamW steps;
+/// and with them on, regions were recorded and replayed.
+#[test]
+fn device_graphs_replay_bitwise_on_tiny() {
+    use graphtrain::data::DataSource;
+    use graphtrain::ir::optim::OptimConfig;
+    use graphtrain::trainer::{TrainConfig, Trainer};
+    use graphtrain::tuning::Tuning;
+    use graphtrain_lowering::Mode;
+    use graphtrain_runtime::CompileOptions;
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    for backend in graphtrain::gate::device_backends_for_tests() {
+        for graphs in ["on", "off"] {
+            check_pipeline_tuned(
+                &tiny,
+                &default_pipeline(),
+                5,
+                backend,
+                None,
+                &Tuning::parse(&format!("device_graphs={graphs}")).unwrap(),
+                graphtrain::ir::autocast::Precision::F32,
+            )
+            .unwrap_or_else(|e| panic!("device_graphs={graphs} on {backend}: {e}"));
+        }
+        let pipeline = default_pipeline();
+        let cfg = TrainConfig {
+            data: DataSource::Fixed,
+            seed: 0,
+            lr: 1e-3,
+            optim: OptimConfig::default(),
+        };
+        let options = CompileOptions::new(&pipeline, Mode::Fused);
+        let mut t = Trainer::build(&tiny, cfg, backend, &options).unwrap();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        let (graphs, steps) = t.device_graphs().unwrap();
+        assert!(
+            graphs > 0 && steps > 2 * graphs,
+            "{backend}: {graphs} graphs over {steps} steps"
+        );
+    }
+}
+
 /// Activation checkpointing and offload are tier 1 too: recomputation is deterministic, on the
 /// interpreter and on the cpu backend, and offload's round trip through host memory on a device.
 #[test]

@@ -5,10 +5,13 @@
 //! a maximal run of consecutive nodes in schedule order with no capture breaker in it; ids are
 //! dense from 0 in schedule order. Regions may span phases: the whole step can be one region.
 //!
-//! What a region becomes is the lowering's and runtime's business. On cpu (today) each kernel
-//! step of a region is bound to the arena on its first run and then replayed by direct calls into
-//! its compiled kernel, without cubecl's per-launch dispatch (`runtime/src/replay.rs`); steps
-//! outside every region are dispatched one by one. On cuda a region would become a CUDA graph.
+//! What a region becomes is the lowering's and runtime's business. On cpu each kernel step of a
+//! region is bound to the arena on its first run and then replayed by direct calls into its
+//! compiled kernel, without cubecl's per-launch dispatch (`runtime/src/cpu/replay.rs`); steps
+//! outside every region are dispatched one by one. On the device backends each run of a
+//! region's steps that are launches alone is recorded as a device graph in the second run and
+//! replayed after (`runtime/src/device/graphs.rs`: a CUDA graph on cuda, cubecl's software
+//! graph on wgpu).
 //! Capture relies on what the IR already guarantees (static shapes, randomness keyed by a seed
 //! input, no host reads inside the step) plus the memory planner keeping buffer addresses fixed
 //! between replays.

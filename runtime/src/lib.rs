@@ -38,7 +38,9 @@ pub use comm::{
 pub use compile::{
     compile, legalize, lower_for_backend, CompileOptions, CompileTimings, Compiled, Fingerprint,
 };
-pub use options::{DeviceCollectives, DeviceMatmul, GemmKernel, Profile, RuntimeOptions};
+pub use options::{
+    DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel, Profile, RuntimeOptions,
+};
 pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;
 pub use timeline::{Timeline, TimelineEvent};
@@ -204,6 +206,11 @@ pub trait Executor {
     }
     /// Time by step kind, when the backend was asked to profile (`RuntimeOptions::profile`).
     fn profile_report(&mut self) -> Option<String> {
+        None
+    }
+    /// The device graphs this executor replays (`RuntimeOptions::device_graphs`): how many, and
+    /// how many Program steps they hold; `None` on backends without device graphs.
+    fn device_graphs(&self) -> Option<(usize, usize)> {
         None
     }
     /// Turns timeline recording on or off for the runs that follow; `false` where this

@@ -56,6 +56,16 @@ pub enum DeviceCollectives {
     Host,
 }
 
+/// Whether the device backends record the capture pass's regions as device graphs
+/// (`device/graphs.rs`: CUDA graphs on `cuda`, cubecl's software graphs on `wgpu`) and replay
+/// them, or dispatch every launch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceGraphs {
+    #[default]
+    On,
+    Off,
+}
+
 /// What a loaded step may use and how it reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RuntimeOptions {
@@ -67,6 +77,8 @@ pub struct RuntimeOptions {
     pub device_matmul: DeviceMatmul,
     /// How the device backends move collectives.
     pub device_collectives: DeviceCollectives,
+    /// Whether the device backends replay captured regions as device graphs.
+    pub device_graphs: DeviceGraphs,
     /// Which GPU a `cuda` rank opens, before wrapping around the GPUs present: the rank's
     /// index on its machine where the launcher says it (MPI), else the rank.
     pub device_index: Option<usize>,

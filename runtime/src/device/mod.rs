@@ -16,22 +16,27 @@
 //! - the composites the lowering keeps as one step (attention and its backward, rope,
 //!   cross-entropy and its backward, AdamW) launch `composites.rs`. Their rope angle
 //!   tables (written once at load) and the per-row statistics of their reductions (scratch that
-//!   every step reuses) live in the arena's tail, past the flag (`Tail`).
+//!   every step reuses) live in the arena's tail, past the flag (`Tail`);
+//! - the capture pass's regions: their runs of launch-only steps are recorded as device graphs
+//!   in the second run and replayed after (`graphs.rs`; `RuntimeOptions::device_graphs`).
 //!
-//! What is not done yet: the kernels are simple (one unit per output, no shared-memory tiling),
-//! so this backend is correct, not fast. It is tested on Mesa's lavapipe (a Vulkan driver
-//! running on the CPU); `cuda` is built (`cargo check --features cuda`) but has not run here.
+//! What is not done yet: the kernels are simple (one unit per output, or 16 x 16 output tiles
+//! for the matmul; no tensor cores), so this backend is correct, not fast. It is tested on
+//! Mesa's lavapipe (a Vulkan driver running on the CPU); `cuda` is built (`cargo check
+//! --features cuda`) but has not run here.
 //!
 //! Ordering: every launch queues on the client's one stream, in step order; reads and host
-//! writes go through the same stream, so each sees the launches before it.
+//! writes go through the same stream, so each sees the launches before it (a device graph
+//! replays on the stream that recorded it, and only from that thread).
 
 pub mod composites;
+mod graphs;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod nccl_plan;
 
-use crate::options::{DeviceCollectives, DeviceMatmul, Profile, RuntimeOptions};
+use crate::options::{DeviceCollectives, DeviceGraphs, DeviceMatmul, Profile, RuntimeOptions};
 use crate::shared::attention_shape::{attention_dims, Dims};
 use crate::shared::kernel_call::grid;
 use crate::shared::launches::{Grid, Launches};
@@ -198,6 +203,11 @@ pub struct DeviceExecutor {
     arena_measured: u64,
     /// Matmuls launch `matmul_tiled_kernel` (else `matmul_kernel`).
     tiled_matmul: bool,
+    /// The capture regions' segments recorded as device graphs (`graphs.rs`); empty with
+    /// `DeviceGraphs::Off`.
+    segments: Vec<graphs::Segment>,
+    /// The thread whose stream recorded the graphs: they replay on that stream only.
+    graph_thread: Option<std::thread::ThreadId>,
     /// Collectives through NCCL (`cuda` with several ranks), else staged through the host.
     #[cfg(feature = "cuda")]
     nccl: Option<NcclRank>,
@@ -280,10 +290,15 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 DeviceMatmul::PerOutput => false,
                 DeviceMatmul::Auto => kind == DeviceKind::Cuda,
             },
+            segments: Vec::new(),
+            graph_thread: None,
             #[cfg(feature = "cuda")]
             nccl: None,
             collective_timeout: options.collective_timeout(),
         };
+        if options.device_graphs == DeviceGraphs::On {
+            exec.segments = graphs::segments(&exec.program);
+        }
         let nccl = match options.device_collectives {
             DeviceCollectives::Host => false,
             // NCCL refuses two ranks on one GPU: by default it is used where every rank can
@@ -473,6 +488,66 @@ collectives through host memory (device_collectives=host or auto)",
             what.0,
             what.1
         )))
+    }
+
+    /// Runs `segment` by replaying its graph, or, from the second run on, dispatches it inside
+    /// cubecl's warmup window (this run's work) and records it. Returns whether its steps have
+    /// run; `false` leaves them to be dispatched.
+    fn replay_or_record(
+        &mut self,
+        segment: &mut graphs::Segment,
+        steps: &[Step],
+    ) -> Result<bool, RuntimeError> {
+        let range = segment.steps.clone();
+        match &segment.state {
+            graphs::State::Recorded(graph) => {
+                // SAFETY: the recorded launches address the arena, which lives as long as
+                // `self`; no other stream uses it; inputs were written on this thread's stream
+                // (the caller replays only on the recording thread), which orders the replay
+                // behind them, and reads after it.
+                unsafe { graph.replay() }.map_err(|e| {
+                    RuntimeError::Backend(format!(
+                        "replaying steps {range:?} as a {} graph failed: {e:?}",
+                        self.kind.name()
+                    ))
+                })?;
+                Ok(true)
+            }
+            graphs::State::Refused => Ok(false),
+            graphs::State::Waiting if self.runs == 0 => Ok(false),
+            graphs::State::Waiting => {
+                let dispatch =
+                    |this: &mut Self| range.clone().try_for_each(|i| this.run_step(i, &steps[i]));
+                let refused = |what: &str, e: &dyn std::fmt::Debug| {
+                    tracing::warn!(
+                        "steps {range:?} stay dispatched: {what} refused recording them as a device graph: {e:?}"
+                    );
+                    graphs::State::Refused
+                };
+                if let Err(e) = self.client.graph_prepare() {
+                    segment.state = refused("preparing", &e);
+                    return Ok(false);
+                }
+                // The warmup cubecl asks for is this run's dispatch of the steps.
+                if let Err(e) = dispatch(self) {
+                    let _ = self.client.stop_capture();
+                    return Err(e);
+                }
+                if let Err(e) = self.client.start_capture() {
+                    let _ = self.client.stop_capture();
+                    segment.state = refused("opening the window", &e);
+                    return Ok(true);
+                }
+                let launched = dispatch(self);
+                let graph = self.client.stop_capture();
+                segment.state = match (launched, graph) {
+                    (Ok(()), Ok(graph)) => graphs::State::Recorded(graph),
+                    (Err(e), _) => return Err(e),
+                    (Ok(()), Err(e)) => refused("closing the window", &e),
+                };
+                Ok(true)
+            }
+        }
     }
 
     fn run_step(&mut self, i: usize, step: &Step) -> Result<(), RuntimeError> {
@@ -1320,7 +1395,30 @@ impl Executor for DeviceExecutor {
         if let Some(r) = self.timeline.as_mut() {
             r.begin();
         }
+        // Profiled and timed runs wait for every step; graphs replay on their own thread's
+        // stream only.
+        let thread = std::thread::current().id();
+        let replays = self.profile.is_none()
+            && self.timeline.is_none()
+            && self.graph_thread.is_none_or(|t| t == thread);
+        let mut segments = std::mem::take(&mut self.segments);
+        let mut next = 0;
+        // Steps before this one have run already (a replayed or recorded segment).
+        let mut ran_until = 0;
         let result = steps.iter().enumerate().try_for_each(|(i, step)| {
+            if i < ran_until {
+                return Ok(());
+            }
+            while next < segments.len() && segments[next].steps.end <= i {
+                next += 1;
+            }
+            if let Some(segment) = segments.get_mut(next).filter(|_| replays) {
+                if segment.steps.start == i && self.replay_or_record(segment, &steps)? {
+                    self.graph_thread = Some(thread);
+                    ran_until = segment.steps.end;
+                    return Ok(());
+                }
+            }
             let started = Instant::now();
             self.run_step(i, step)?;
             if self.profile.is_some() || self.timeline.is_some() {
@@ -1342,6 +1440,7 @@ impl Executor for DeviceExecutor {
             Ok(())
         });
         self.program.steps = steps;
+        self.segments = segments;
         if let Some(r) = self.timeline.as_mut() {
             r.finish(&self.program);
         }
@@ -1352,6 +1451,17 @@ impl Executor for DeviceExecutor {
 
     fn profile_report(&mut self) -> Option<String> {
         Some(profile_report(self.profile.as_mut()?, 30))
+    }
+
+    fn device_graphs(&self) -> Option<(usize, usize)> {
+        let recorded = self
+            .segments
+            .iter()
+            .filter(|s| matches!(s.state, graphs::State::Recorded(_)));
+        Some((
+            recorded.clone().count(),
+            recorded.map(|s| s.steps.len()).sum(),
+        ))
     }
 
     fn record_timeline(&mut self, on: bool) -> bool {

@@ -1,0 +1,117 @@
+//! The capture pass's regions recorded as device graphs and replayed, as the cpu backend replays
+//! them as bound launches (`cpu/replay.rs`). cubecl records the launches of a window on the
+//! client's stream into a graph: a CUDA graph on `cuda` (one driver call replays the window), a
+//! software graph on `wgpu` (its dispatches resolved once: pipelines, bindings, metadata).
+//!
+//! What is recorded: a segment, a run of at least two consecutive steps of one capture region
+//! whose every step is launches alone (`recordable`): no host read or write in it, and no
+//! launch argument that changes between runs (AdamW's bias corrections are computed on the
+//! host from the step count; gather, scatter-add and cross-entropy read their index checks
+//! back). The first run dispatches everything; in the second, each segment is dispatched once
+//! more inside cubecl's warmup window (the run's real work) and then recorded; later runs
+//! replay it. A run that is profiled or timed dispatches every step (they wait for each).
+//!
+//! Guarantees: a replay runs the recorded launches, the same kernels with the same arguments
+//! over the same arena, so a run with graphs is bitwise one without (tested on lavapipe). The
+//! arena lives as long as the executor, inputs are written on the recording thread's stream
+//! before a replay is queued behind them, and a replay from another thread (another stream) is
+//! refused: that run dispatches instead.
+//!
+//! Declines: a device whose cubecl server has no graph support, or a window cubecl refuses,
+//! leaves the segment dispatched from then on, with the reason logged once.
+
+use graphtrain_lowering::{Program, Step};
+use std::ops::Range;
+
+/// A segment and where it stands.
+pub(super) struct Segment {
+    pub steps: Range<usize>,
+    pub state: State,
+}
+
+pub(super) enum State {
+    /// Dispatched, to be recorded in the next run that may record.
+    Waiting,
+    /// Recorded: replayed in place of its steps.
+    Recorded(cubecl::client::Graph),
+    /// cubecl refused to record it (the reason was logged): dispatched from now on.
+    Refused,
+}
+
+/// Whether the device executor runs `step` by launches alone, with arguments fixed at load.
+pub(super) fn recordable(step: &Step) -> bool {
+    matches!(
+        step,
+        Step::Map { .. }
+            | Step::MapReduce { .. }
+            | Step::Copy { .. }
+            | Step::Reduce { .. }
+            | Step::Matmul { .. }
+            | Step::Attention { .. }
+            | Step::AttentionBackward { .. }
+            | Step::Rope { .. }
+    )
+}
+
+/// The Program's segments: maximal runs of at least two recordable steps of one capture region.
+pub(super) fn segments(program: &Program) -> Vec<Segment> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let n = program.steps.len();
+    while start < n {
+        let region = program.step_regions[start];
+        let mut end = start;
+        while end < n
+            && region.is_some()
+            && program.step_regions[end] == region
+            && recordable(&program.steps[end])
+        {
+            end += 1;
+        }
+        if end - start >= 2 {
+            out.push(Segment {
+                steps: start..end,
+                state: State::Waiting,
+            });
+        }
+        start = end.max(start + 1);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use graphtrain_lowering::{lower, Mode};
+
+    /// Segments follow the regions and stop at a step that is not launches alone: here the
+    /// gather (its index check reads back) splits region 0, and its one-step head is left out.
+    #[test]
+    fn segments_are_runs_of_recordable_steps_in_one_region() {
+        let g = graphtrain_ir::text::parse(
+            "graph g {
+  input %x: f32[4,8]
+  input %i: i32[3]
+  %2: f32[4,8] = exp(%x)  # fwd region=0
+  %3: f32[3,8] = gather(%2, %i, axis=0)  # fwd region=0
+  %4: f32[3,8] = sin(%3)  # fwd region=0
+  %5: f32[8,3] = transpose(%4, perm=[1,0])  # fwd region=0
+  %6: f32[8,8] = matmul(%5, %4)  # fwd region=0
+  %7: f32[8,8] = neg(%6)  # fwd region=1
+  %8: f32[8,8] = sqrt(%7)  # fwd region=1
+  output o = %8
+}",
+        )
+        .unwrap();
+        let p = lower(&g, Mode::Eager).unwrap();
+        let kinds: Vec<(&str, Option<u32>)> = p
+            .steps
+            .iter()
+            .zip(&p.step_regions)
+            .map(|(s, r)| (s.kind(), *r))
+            .collect();
+        let ranges: Vec<Range<usize>> = segments(&p).into_iter().map(|s| s.steps).collect();
+        // exp | gather | sin, copy (transpose), matmul | neg, sqrt
+        assert_eq!(ranges, vec![2..5, 5..7], "{kinds:?}");
+    }
+}
