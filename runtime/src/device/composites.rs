@@ -76,12 +76,13 @@ pub fn rope_kernel(
 }
 
 /// One AdamW update of `n` elements, `p`, `g`, `m`, `v` into `p_out`, `m_out`, `v_out` (each
-/// either its own input, in place, or apart from every operand). The learning rate and step
-/// count are read from the arena (`lr`, `step`); the hyperparameters come as the f32 the
-/// decomposition uses (`1 - beta` computed in f64 on the host). Per element, as
-/// `graphtrain_ir::decompose`: `m' = m·b1 + g·(1 - b1)`, `v' = v·b2 + (g·g)·(1 - b2)`,
+/// either its own input, in place, or apart from every operand). The learning rate and the bias
+/// corrections `[bc1, sqrt(bc2)]` are read from the arena (`lr`, `corrections`), so a
+/// recorded launch reads each step's; the hyperparameters come as the f32 the decomposition
+/// uses (`1 - beta` computed in f64 on the host). Per element, as `graphtrain_ir::decompose`:
+/// `m' = m·b1 + g·(1 - b1)`, `v' = v·b2 + (g·g)·(1 - b2)`,
 /// `p' = p·(lr·(-wd) + 1) - ((lr / bc1)·m') / (sqrt(v') / sqrt(bc2) + eps)` with
-/// `bc = 1 - beta^t`, which the host computes (in f32, as the cpu backend does) and passes in.
+/// `bc = 1 - beta^t`, which the host computes (in f32, as the cpu backend does) and writes.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel(
@@ -94,8 +95,7 @@ pub fn adamw_kernel(
     m_out: usize,
     v_out: usize,
     lr: usize,
-    bc1: f32,
-    sqrt_bc2: f32,
+    corrections: usize,
     b1: f32,
     one_minus_b1: f32,
     b2: f32,
@@ -106,6 +106,8 @@ pub fn adamw_kernel(
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let rate = arena[lr];
+    let bc1 = arena[corrections];
+    let sqrt_bc2 = arena[corrections + 1];
     let decay = rate * neg_weight_decay + f32::new(1.0);
     let step_size = rate / bc1;
     let mut e = ABSOLUTE_POS;

@@ -5,9 +5,10 @@
 //!
 //! What is recorded: a segment, a run of at least two consecutive steps of one capture region
 //! whose every step is launches alone (`recordable`): no host read or write in it, and no
-//! launch argument that changes between runs (AdamW's bias corrections are computed on the
-//! host from the step count; gather, scatter-add and cross-entropy read their index checks
-//! back). The first run dispatches everything; in the second, each segment is dispatched once
+//! launch argument that changes between runs. Gather, scatter-add and cross-entropy read their
+//! index checks back, so they are not; AdamW is where its step count is an input the host
+//! writes (its bias corrections are then written at the start of the run, and its launches
+//! read them from the arena). The first run dispatches everything; in the second, each segment is dispatched once
 //! more inside cubecl's warmup window (the run's real work) and then recorded; later runs
 //! replay it. A run that is profiled or timed dispatches every step (they wait for each).
 //!
@@ -20,6 +21,7 @@
 //! Declines: a device whose cubecl server has no graph support, or a window cubecl refuses,
 //! leaves the segment dispatched from then on, with the reason logged once.
 
+use graphtrain_ir::ValueId;
 use graphtrain_lowering::{Program, Step};
 use std::ops::Range;
 
@@ -39,18 +41,26 @@ pub(super) enum State {
 }
 
 /// Whether the device executor runs `step` by launches alone, with arguments fixed at load.
-pub(super) fn recordable(step: &Step) -> bool {
-    matches!(
-        step,
+pub(super) fn recordable(program: &Program, step: &Step) -> bool {
+    match step {
         Step::Map { .. }
-            | Step::MapReduce { .. }
-            | Step::Copy { .. }
-            | Step::Reduce { .. }
-            | Step::Matmul { .. }
-            | Step::Attention { .. }
-            | Step::AttentionBackward { .. }
-            | Step::Rope { .. }
-    )
+        | Step::MapReduce { .. }
+        | Step::Copy { .. }
+        | Step::Reduce { .. }
+        | Step::Matmul { .. }
+        | Step::Attention { .. }
+        | Step::AttentionBackward { .. }
+        | Step::Rope { .. } => true,
+        Step::AdamW { step: t, .. } => step_count_is_written(program, *t),
+        _ => false,
+    }
+}
+
+/// Whether `t` is a graph input the host writes and no output replaces: its value during a run
+/// is known before the run starts.
+pub(super) fn step_count_is_written(program: &Program, t: ValueId) -> bool {
+    let g = &program.graph;
+    g.inputs.iter().any(|i| i.value == t) && !g.outputs.iter().any(|o| o.donates == Some(t))
 }
 
 /// The Program's segments: maximal runs of at least two recordable steps of one capture region.
@@ -64,7 +74,7 @@ pub(super) fn segments(program: &Program) -> Vec<Segment> {
         while end < n
             && region.is_some()
             && program.step_regions[end] == region
-            && recordable(&program.steps[end])
+            && recordable(program, &program.steps[end])
         {
             end += 1;
         }

@@ -416,6 +416,27 @@ collectives through host memory (device_collectives=host or auto)",
         );
     }
 
+    /// Writes AdamW step `i`'s bias corrections into its slot, as the cpu backend computes them,
+    /// on the host: a device's `powf` may be a few ulp off near 1 (lavapipe's: `0.999^1` gave
+    /// 0.99899989), and `1 - beta^t` turns that into a 1e-4 error of every update.
+    fn write_corrections(&self, i: usize, step: &Step) -> Result<(), RuntimeError> {
+        let Step::AdamW {
+            step: t,
+            beta1,
+            beta2,
+            ..
+        } = step
+        else {
+            return Ok(());
+        };
+        let (beta1, beta2) = (*beta1, *beta2);
+        let t = self.host_scalar(*t)?;
+        let bc1 = 1.0 - (beta1 as f32).powf(t);
+        let bc2 = 1.0 - (beta2 as f32).powf(t);
+        self.write_floats(self.tail.corrections[&i], &[bc1, bc2.sqrt()]);
+        Ok(())
+    }
+
     /// A one-element value: as the host last wrote it, or else read back from the device.
     fn host_scalar(&self, v: ValueId) -> Result<f32, RuntimeError> {
         match self.host_scalars.get(&v) {
@@ -985,12 +1006,13 @@ and {n} targets",
                 eps,
                 weight_decay,
             } => {
-                // The bias corrections as the cpu backend computes them, on the host: a
-                // device's `powf` may be a few ulp off near 1 (lavapipe's: `0.999^1` gave
-                // 0.99899989), and `1 - beta^t` turns that into a 1e-4 error of every update.
-                let t = self.host_scalar(*t)?;
-                let bc1 = 1.0 - (*beta1 as f32).powf(t);
-                let bc2 = 1.0 - (*beta2 as f32).powf(t);
+                // The bias corrections, on the host: written at the start of the run where the
+                // step count is an input the host wrote (so the launches below can be recorded
+                // in a device graph), else here.
+                if !graphs::step_count_is_written(&self.program, *t) {
+                    self.write_corrections(i, step)?;
+                }
+                let corrections = self.tail.corrections[&i];
                 for u in updates {
                     let n = self.program.graph.ty(u.p).numel();
                     if n == 0 {
@@ -1014,8 +1036,7 @@ and {n} targets",
                             self.off(u.m_out),
                             self.off(u.v_out),
                             self.off(*lr),
-                            bc1,
-                            bc2.sqrt(),
+                            corrections,
                             *beta1 as f32,
                             (1.0 - beta1) as f32,
                             *beta2 as f32,
@@ -1259,6 +1280,9 @@ fn rope_key(step: &Step) -> Option<TableKey> {
 /// steps run in order on one stream).
 struct Tail {
     rope: HashMap<TableKey, usize>,
+    /// Per AdamW step (by index), where its bias corrections `[1 - beta1^t, sqrt(1 - beta2^t)]`
+    /// go: computed on the host, written before its launches read them.
+    corrections: HashMap<usize, usize>,
     scratch: usize,
     /// Elements in the whole buffer.
     end: usize,
@@ -1271,7 +1295,12 @@ impl Tail {
         let mut rope = HashMap::new();
         let mut tables = Vec::new();
         let mut scratch = 0usize;
-        for step in &program.steps {
+        let mut corrections = HashMap::new();
+        for (i, step) in program.steps.iter().enumerate() {
+            if let Step::AdamW { .. } = step {
+                corrections.insert(i, at);
+                at += VECTOR;
+            }
             if let Some(key @ (theta, seq, d, inverse)) = rope_key(step) {
                 if let std::collections::hash_map::Entry::Vacant(slot) = rope.entry(key) {
                     let t = Tables::new(f64::from_bits(theta), seq, d, inverse);
@@ -1293,6 +1322,7 @@ impl Tail {
         }
         let tail = Tail {
             rope,
+            corrections,
             scratch: at,
             end: at + scratch.next_multiple_of(VECTOR),
         };
@@ -1401,6 +1431,18 @@ impl Executor for DeviceExecutor {
         let replays = self.profile.is_none()
             && self.timeline.is_none()
             && self.graph_thread.is_none_or(|t| t == thread);
+        // AdamW's bias corrections for a step count the host wrote, before any launch (and any
+        // replay) reads them.
+        for (i, step) in steps.iter().enumerate() {
+            if let Step::AdamW { step: t, .. } = step {
+                if graphs::step_count_is_written(&self.program, *t) {
+                    if let Err(e) = self.write_corrections(i, step) {
+                        self.program.steps = steps;
+                        return Err(e);
+                    }
+                }
+            }
+        }
         let mut segments = std::mem::take(&mut self.segments);
         let mut next = 0;
         // Steps before this one have run already (a replayed or recorded segment).
