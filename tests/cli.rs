@@ -1187,6 +1187,11 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
             "device_collectives=gloo",
             vec!["--tuning", "auto, nccl or host"],
         ),
+        (
+            "device_graphs=off",
+            vec!["--tuning device_graphs", "the device backends'"],
+        ),
+        ("device_graphs=maybe", vec!["--tuning", "on or off"]),
     ] {
         let mut args = run.to_vec();
         args.push("--tuning");
