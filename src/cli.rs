@@ -624,8 +624,9 @@ pub struct TrainArgs {
     /// The element types the step computes in: `f32`, or `bf16-mixed` (torch autocast's
     /// policy: every matmul reads bf16 copies of its operands, accumulates in f32 and rounds its
     /// result to bf16; parameters, optimizer state, norms, attention, the loss and every
-    /// reduction stay f32). bf16 values are held in f32 slots (no memory is saved yet); on the
-    /// device backends the matmuls sum in f32 and round (no tensor cores yet).
+    /// reduction stay f32). bf16 values are held in f32 slots, so the step takes no less memory
+    /// than in f32 yet; on the device backends the matmuls sum in f32 and round (no tensor cores
+    /// yet).
     #[arg(long, default_value = "f32")]
     pub precision: String,
 }
