@@ -8,12 +8,14 @@
 //! launch argument that changes between runs. Gather, scatter-add and cross-entropy read their
 //! index checks back, so they are not; AdamW is where its step count is an input the host
 //! writes (its bias corrections are then written at the start of the run, and its launches
-//! read them from the arena). The first run dispatches everything; in the second, each segment is dispatched once
-//! more inside cubecl's warmup window (the run's real work) and then recorded; later runs
-//! replay it. A run that is profiled or timed dispatches every step (they wait for each).
+//! read them from the arena). The first run dispatches everything. In the second, a segment's
+//! dispatch (the run's work) is cubecl's warmup window, after which its launches are issued
+//! again into the recording (recorded, not run); later runs replay it. A run that is profiled
+//! or timed dispatches every step (they wait for each).
 //!
 //! Guarantees: a replay runs the recorded launches, the same kernels with the same arguments
-//! over the same arena, so a run with graphs is bitwise one without (tested on lavapipe). The
+//! over the same arena, so a run with graphs is bitwise one without (tested on lavapipe's
+//! software graphs; CUDA graphs have not run on a GPU here: `scripts/gpu-check.sh` checks). The
 //! arena lives as long as the executor, inputs are written on the recording thread's stream
 //! before a replay is queued behind them, and a replay from another thread (another stream) is
 //! refused: that run dispatches instead.
