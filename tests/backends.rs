@@ -769,6 +769,53 @@ fn a_bad_cross_entropy_target_is_an_error() {
     }
 }
 
+/// On a device, an embedding's token ids (an input broadcast by one copy into the gather's
+/// indices) are checked by the host as it writes them: an id out of range is refused before
+/// anything runs, naming the gather, the id and its position among the tokens (the device
+/// check would name a position among the broadcast indices: seen failing with the host check
+/// off). The whole `tiny` step in one device graph follows from it (`bench` prints it).
+#[test]
+fn a_bad_token_id_is_refused_as_it_is_written_on_a_device() {
+    let g = text::parse(
+        "graph g {
+  input %w: f32[10,4]
+  input %t: i32[6]
+  %2: i32[6,1] = reshape(%t, shape=[6,1])
+  %3: i32[6,4] = expand(%2, shape=[6,4])
+  %4: f32[6,4] = gather(%w, %3, axis=0)
+  %5: f32[6,4] = exp(%4)
+  output y = %5
+}",
+    )
+    .unwrap();
+    let mut inputs = random_inputs(&g, 0);
+    for (k, x) in inputs[1].data.iter_mut().enumerate() {
+        *x = (k % 10) as f64;
+    }
+    let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+    for backend in device_backends() {
+        let got = run_once(&g, backend, Mode::Fused, &inputs).unwrap();
+        assert_outputs(
+            "gather",
+            &output_names(&g),
+            &got,
+            &want,
+            Agree::Relative(1e-6),
+        );
+        for (pos, bad) in [(3, 10.0), (0, -1.0), (5, 2.5)] {
+            let mut inputs = inputs.clone();
+            inputs[1].data[pos] = bad;
+            let err = run_once(&g, backend, Mode::Fused, &inputs).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "(gather): index {bad} at position {pos} is out of range 0..10"
+                )),
+                "{backend}: {err}"
+            );
+        }
+    }
+}
+
 /// AdamW as one step over several parameters (in place, merged) and as separate steps
 /// (eager), sizes around the cpu's 64-element block, on cpu and on the device backends:
 /// against the interpreter, and bit for bit between the two lowerings.

@@ -6,9 +6,10 @@
 //! What is recorded: a segment, a run of at least two consecutive steps of one capture region
 //! whose every step is launches alone (`recordable`): no host read or write in it, and no
 //! launch argument that changes between runs. Gather, scatter-add and cross-entropy read their
-//! index checks back, so they are not; AdamW is where its step count is an input the host
-//! writes (its bias corrections are then written at the start of the run, and its launches
-//! read them from the arena). The first run dispatches everything. In the second, a segment's
+//! index checks back, so they are recordable only where the host checks their indices as it
+//! writes them (`index_checks.rs`); AdamW is where its step count is an input the host writes
+//! (its bias corrections are then written at the start of the run, and its launches read them
+//! from the arena). The first run dispatches everything. In the second, a segment's
 //! dispatch (the run's work) is cubecl's warmup window, after which its launches are issued
 //! again into the recording (recorded, not run); later runs replay it. A run that is profiled
 //! or timed dispatches every step (they wait for each).
@@ -25,6 +26,7 @@
 
 use graphtrain_ir::ValueId;
 use graphtrain_lowering::{Program, Step};
+use std::collections::HashSet;
 use std::ops::Range;
 
 /// A segment and where it stands.
@@ -43,7 +45,12 @@ pub(super) enum State {
 }
 
 /// Whether the device executor runs `step` by launches alone, with arguments fixed at load.
-pub(super) fn recordable(program: &Program, step: &Step) -> bool {
+pub(super) fn recordable(
+    program: &Program,
+    i: usize,
+    step: &Step,
+    checked_on_write: &HashSet<usize>,
+) -> bool {
     match step {
         Step::Map { .. }
         | Step::MapReduce { .. }
@@ -54,6 +61,12 @@ pub(super) fn recordable(program: &Program, step: &Step) -> bool {
         | Step::AttentionBackward { .. }
         | Step::Rope { .. } => true,
         Step::AdamW { step: t, .. } => step_count_is_written(program, *t),
+        // Their index checks read a flag back, unless the host checks the indices as it
+        // writes them (`index_checks.rs`).
+        Step::Gather { .. }
+        | Step::ScatterAdd { .. }
+        | Step::CrossEntropy { .. }
+        | Step::CrossEntropyBackward { .. } => checked_on_write.contains(&i),
         _ => false,
     }
 }
@@ -66,7 +79,7 @@ pub(super) fn step_count_is_written(program: &Program, t: ValueId) -> bool {
 }
 
 /// The Program's segments: maximal runs of at least two recordable steps of one capture region.
-pub(super) fn segments(program: &Program) -> Vec<Segment> {
+pub(super) fn segments(program: &Program, checked_on_write: &HashSet<usize>) -> Vec<Segment> {
     let mut out = Vec::new();
     let mut start = 0;
     let n = program.steps.len();
@@ -76,7 +89,7 @@ pub(super) fn segments(program: &Program) -> Vec<Segment> {
         while end < n
             && region.is_some()
             && program.step_regions[end] == region
-            && recordable(program, &program.steps[end])
+            && recordable(program, end, &program.steps[end], checked_on_write)
         {
             end += 1;
         }
@@ -122,7 +135,10 @@ mod tests {
             .zip(&p.step_regions)
             .map(|(s, r)| (s.kind(), *r))
             .collect();
-        let ranges: Vec<Range<usize>> = segments(&p).into_iter().map(|s| s.steps).collect();
+        let ranges: Vec<Range<usize>> = segments(&p, &HashSet::new())
+            .into_iter()
+            .map(|s| s.steps)
+            .collect();
         // exp | gather | sin, copy (transpose), matmul | neg, sqrt
         assert_eq!(ranges, vec![2..5, 5..7], "{kinds:?}");
     }

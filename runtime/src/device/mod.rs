@@ -3,9 +3,11 @@
 //!
 //! - Map, copy and reduce steps launch the shared kernels (`shared/kernels.rs`, through
 //!   `shared/launches.rs`) at vector width 4 over a grid of 64-unit cubes;
-//! - matmul, gather and scatter-add launch `kernels.rs`; gather and scatter-add are
-//!   preceded by an index check whose flag is read back before the step runs, so a bad index is
-//!   an error naming the step and position, never a silent wrong value;
+//! - matmul, gather and scatter-add launch `kernels.rs`; gather and scatter-add (and
+//!   cross-entropy's targets) are checked before the step runs, so a bad index is an error
+//!   naming the step and position, never a silent wrong value: by the host as it writes the
+//!   input the indices are (token ids, targets: `index_checks.rs`), else by a kernel whose flag
+//!   is read back;
 //! - iota and random values are computed on the host and written into the arena;
 //! - a collective (on a mesh) runs on NCCL on `cuda` (`nccl.rs`: device to device, on a stream
 //!   of its own; built, not yet run on a GPU); elsewhere, or with
@@ -31,6 +33,7 @@
 
 pub mod composites;
 mod graphs;
+mod index_checks;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -54,6 +57,7 @@ use cubecl::prelude::*;
 use graphtrain_ir::{Graph, HostTensor, ValueId};
 use graphtrain_lowering::program::contiguous_strides;
 use graphtrain_lowering::{Program, Step, View};
+use index_checks::{INDEX, TARGET};
 use kernels::{
     check_indices_kernel, gather_kernel, matmul_kernel, matmul_tiled_kernel, scatter_add_kernel,
 };
@@ -208,6 +212,10 @@ pub struct DeviceExecutor {
     segments: Vec<graphs::Segment>,
     /// The thread whose stream recorded the graphs: they replay on that stream only.
     graph_thread: Option<std::thread::ThreadId>,
+    /// Index checks the host makes as it writes an input (`index_checks.rs`), by input, and
+    /// the steps they stand in for (which then read no flag back).
+    write_checks: HashMap<ValueId, Vec<index_checks::WriteCheck>>,
+    checked_on_write: std::collections::HashSet<usize>,
     /// Collectives through NCCL (`cuda` with several ranks), else staged through the host.
     #[cfg(feature = "cuda")]
     nccl: Option<NcclRank>,
@@ -292,12 +300,21 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             },
             segments: Vec::new(),
             graph_thread: None,
+            write_checks: HashMap::new(),
+            checked_on_write: Default::default(),
             #[cfg(feature = "cuda")]
             nccl: None,
             collective_timeout: options.collective_timeout(),
         };
+        exec.write_checks = index_checks::plan(&exec.program);
+        exec.checked_on_write = exec
+            .write_checks
+            .values()
+            .flatten()
+            .map(|c| c.step)
+            .collect();
         if options.device_graphs == DeviceGraphs::On {
-            exec.segments = graphs::segments(&exec.program);
+            exec.segments = graphs::segments(&exec.program, &exec.checked_on_write);
         }
         let nccl = match options.device_collectives {
             DeviceCollectives::Host => false,
@@ -673,7 +690,9 @@ collectives through host memory (device_collectives=host or auto)",
                 let ishape = &g.ty(*index).shape;
                 let total: usize = ishape.iter().product();
                 let (io, so, oo) = (self.off(*index), self.off(*src), self.off(*out));
-                self.check_indices(i, step, io, 1, total, sshape[*axis], INDEX)?;
+                if !self.checked_on_write.contains(&i) {
+                    self.check_indices(i, step, io, 1, total, sshape[*axis], INDEX)?;
+                }
                 if total == 0 {
                     return Ok(());
                 }
@@ -712,15 +731,17 @@ collectives through host memory (device_collectives=host or auto)",
                 let sshape = &g.ty(*src).shape;
                 let ishape = &g.ty(*index).shape;
                 let io = self.off(*index);
-                self.check_indices(
-                    i,
-                    step,
-                    io,
-                    1,
-                    ishape.iter().product(),
-                    sshape[*axis],
-                    INDEX,
-                )?;
+                if !self.checked_on_write.contains(&i) {
+                    self.check_indices(
+                        i,
+                        step,
+                        io,
+                        1,
+                        ishape.iter().product(),
+                        sshape[*axis],
+                        INDEX,
+                    )?;
+                }
                 let total: usize = sshape.iter().product();
                 if total == 0 {
                     return Ok(());
@@ -935,7 +956,9 @@ and {n} targets",
             )));
         }
         let t = self.off(targets.base) + targets.offset;
-        self.check_indices(i, step, t, ts, rows, cols, ("cross-entropy target", "row"))?;
+        if !self.checked_on_write.contains(&i) {
+            self.check_indices(i, step, t, ts, rows, cols, TARGET)?;
+        }
         Ok(CrossEntropyOperands {
             x: self.off(logits.base) + logits.offset,
             xr,
@@ -1251,9 +1274,6 @@ fn heads4((at, s): (usize, [usize; 4])) -> Heads4Launch {
     Heads4Launch::new(at, s[0], s[1], s[2], s[3])
 }
 
-/// How `check_indices` names a gather's or scatter-add's index.
-const INDEX: (&str, &str) = ("index", "position");
-
 struct CrossEntropyOperands {
     x: usize,
     xr: usize,
@@ -1400,6 +1420,9 @@ impl Executor for DeviceExecutor {
 
     fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
         check_input(&self.program, v, t)?;
+        if let Some(checks) = self.write_checks.get(&v) {
+            index_checks::check(&self.program, checks, t)?;
+        }
         let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
         // Only an input nothing replaces keeps the value the host wrote until the next write.
         let g = &self.program.graph;
