@@ -753,7 +753,8 @@ fn a_bad_cross_entropy_target_is_an_error() {
             .contains("target 5 at row 2 is out of range 0..5"),
         "{err}"
     );
-    // On a device the target check runs as a kernel before the loss's; its flag names the row.
+    // On a device the targets, an input, are checked by the host as it writes them, naming the
+    // row.
     for backend in device_backends() {
         for (row, bad) in [(2, 5.0), (0, -1.0), (1, 0.5)] {
             let mut inputs = random_inputs(&g, 0);
@@ -813,6 +814,30 @@ fn a_bad_token_id_is_refused_as_it_is_written_on_a_device() {
                 "{backend}: {err}"
             );
         }
+    }
+    // Indices the step computes (here twice the ids) keep the device's check: still an error
+    // naming the gather, at a position among its indices.
+    let computed = text::parse(
+        "graph g {
+  input %w: f32[10,4]
+  input %t: i32[6]
+  %2: i32[6,1] = reshape(%t, shape=[6,1])
+  %3: i32[6,4] = expand(%2, shape=[6,4])
+  %4: i32[6,4] = add(%3, %3)
+  %5: f32[6,4] = gather(%w, %4, axis=0)
+  output y = %5
+}",
+    )
+    .unwrap();
+    for backend in device_backends() {
+        let mut bad = inputs.clone();
+        bad[1].data = vec![0.0, 1.0, 2.0, 5.0, 4.0, 3.0];
+        let err = run_once(&computed, backend, Mode::Fused, &bad).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("(gather): index 10 at position 1") && err.contains("out of range 0..10"),
+            "{backend}: {err}"
+        );
     }
 }
 

@@ -60,7 +60,7 @@ pub(super) fn recordable(
         | Step::Attention { .. }
         | Step::AttentionBackward { .. }
         | Step::Rope { .. } => true,
-        Step::AdamW { step: t, .. } => step_count_is_written(program, *t),
+        Step::AdamW { step: t, .. } => written_by_host(program, *t),
         // Their index checks read a flag back, unless the host checks the indices as it
         // writes them (`index_checks.rs`).
         Step::Gather { .. }
@@ -71,11 +71,11 @@ pub(super) fn recordable(
     }
 }
 
-/// Whether `t` is a graph input the host writes and no output replaces: its value during a run
-/// is known before the run starts.
-pub(super) fn step_count_is_written(program: &Program, t: ValueId) -> bool {
+/// Whether `v` is a graph input the host writes and no output replaces: during a run it holds
+/// what the host last wrote, known before the run starts.
+pub(super) fn written_by_host(program: &Program, v: ValueId) -> bool {
     let g = &program.graph;
-    g.inputs.iter().any(|i| i.value == t) && !g.outputs.iter().any(|o| o.donates == Some(t))
+    g.inputs.iter().any(|i| i.value == v) && !g.outputs.iter().any(|o| o.donates == Some(v))
 }
 
 /// The Program's segments: maximal runs of at least two recordable steps of one capture region.

@@ -33,9 +33,7 @@ pub(super) struct WriteCheck {
 /// Per input, the checks its writes make.
 pub(super) fn plan(program: &Program) -> HashMap<ValueId, Vec<WriteCheck>> {
     let g = &program.graph;
-    let written = |v: ValueId| {
-        g.inputs.iter().any(|i| i.value == v) && !g.outputs.iter().any(|o| o.donates == Some(v))
-    };
+    let written = |v: ValueId| super::graphs::written_by_host(program, v);
     // The input whose every element `view` reads (and nothing else), if there is one.
     let input_of_view =
         |view: &View| (written(view.base) && reads_all(program, view)).then_some(view.base);

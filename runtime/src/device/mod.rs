@@ -216,6 +216,9 @@ pub struct DeviceExecutor {
     /// the steps they stand in for (which then read no flag back).
     write_checks: HashMap<ValueId, Vec<index_checks::WriteCheck>>,
     checked_on_write: std::collections::HashSet<usize>,
+    /// The AdamW steps whose step count the host writes: their bias corrections are written at
+    /// the start of each run (the others' when the step runs).
+    corrections_at_start: Vec<usize>,
     /// Collectives through NCCL (`cuda` with several ranks), else staged through the host.
     #[cfg(feature = "cuda")]
     nccl: Option<NcclRank>,
@@ -302,10 +305,19 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
             graph_thread: None,
             write_checks: HashMap::new(),
             checked_on_write: Default::default(),
+            corrections_at_start: Vec::new(),
             #[cfg(feature = "cuda")]
             nccl: None,
             collective_timeout: options.collective_timeout(),
         };
+        exec.corrections_at_start = (exec.program.steps.iter().enumerate())
+            .filter_map(|(i, s)| match s {
+                Step::AdamW { step: t, .. } if graphs::written_by_host(&exec.program, *t) => {
+                    Some(i)
+                }
+                _ => None,
+            })
+            .collect();
         exec.write_checks = index_checks::plan(&exec.program);
         exec.checked_on_write = exec
             .write_checks
@@ -1023,16 +1035,16 @@ and {n} targets",
             Step::AdamW {
                 updates,
                 lr,
-                step: t,
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
+                ..
             } => {
                 // The bias corrections, on the host: written at the start of the run where the
                 // step count is an input the host wrote (so the launches below can be recorded
                 // in a device graph), else here.
-                if !graphs::step_count_is_written(&self.program, *t) {
+                if !self.corrections_at_start.contains(&i) {
                     self.write_corrections(i, step)?;
                 }
                 let corrections = self.tail.corrections[&i];
@@ -1425,9 +1437,7 @@ impl Executor for DeviceExecutor {
         }
         let data: Vec<f32> = t.data.iter().map(|&x| x as f32).collect();
         // Only an input nothing replaces keeps the value the host wrote until the next write.
-        let g = &self.program.graph;
-        let kept = g.inputs.iter().any(|i| i.value == v)
-            && !g.outputs.iter().any(|o| o.donates == Some(v));
+        let kept = graphs::written_by_host(&self.program, v);
         match data.as_slice() {
             [x] if kept => self.host_scalars.insert(v, *x),
             _ => self.host_scalars.remove(&v),
@@ -1456,14 +1466,10 @@ impl Executor for DeviceExecutor {
             && self.graph_thread.is_none_or(|t| t == thread);
         // AdamW's bias corrections for a step count the host wrote, before any launch (and any
         // replay) reads them.
-        for (i, step) in steps.iter().enumerate() {
-            if let Step::AdamW { step: t, .. } = step {
-                if graphs::step_count_is_written(&self.program, *t) {
-                    if let Err(e) = self.write_corrections(i, step) {
-                        self.program.steps = steps;
-                        return Err(e);
-                    }
-                }
+        for &i in &self.corrections_at_start {
+            if let Err(e) = self.write_corrections(i, &steps[i]) {
+                self.program.steps = steps;
+                return Err(e);
             }
         }
         let mut segments = std::mem::take(&mut self.segments);
