@@ -65,7 +65,9 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     after_help = "Environment (read by `run` and `bench`):\n  \
 GRAPHTRAIN_PROFILE=1|steps          wait for and time every step, by kind or one by one\n  \
 GRAPHTRAIN_GEMM_KERNEL=avx2|scalar  a narrower GEMM kernel than the cpu's widest, to measure it\n  \
-GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)\n\n\
+GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)\n  \
+GRAPHTRAIN_DEVICE_BUFFER_MIB=N      the most one wgpu or cuda buffer holds (default: the device's\n  \
+                                    limit); a larger arena is split across buffers\n\n\
 Logging (every command):\n  \
 RUST_LOG=info                       log each compile stage (trace, autodiff, verify, passes and\n  \
                                     each pass, legalize, lower, load) and each training step to\n  \
@@ -791,23 +793,30 @@ impl LoweringMode {
 
 /// The runtime settings the environment gives: `GRAPHTRAIN_PROFILE` (`1`: time every step by
 /// kind; `steps`: each step on its own line), `GRAPHTRAIN_GEMM_KERNEL` (`avx2` or `scalar`: a
-/// narrower GEMM kernel, for benchmarking it) and `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
-/// run may allocate, instead of what the OS reports available). The CLI is the only place that
+/// narrower GEMM kernel, for benchmarking it), `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
+/// run may allocate, instead of what the OS reports available) and
+/// `GRAPHTRAIN_DEVICE_BUFFER_MIB` (the most one wgpu or cuda buffer may hold, below the
+/// device's limit: a larger arena is split across buffers). The CLI is the only place that
 /// reads them; the library is given them.
 fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
     let var = |name: &str| std::env::var(name).ok();
-    let memory_limit_bytes = match var("GRAPHTRAIN_MEMORY_LIMIT_MIB") {
-        None => None,
-        Some(v) => Some(
-            v.trim()
+    // `least`: the smallest number of MiB the setting takes.
+    let mib = |name: &str, least: usize| -> Result<Option<usize>, String> {
+        match var(name) {
+            None => Ok(None),
+            Some(v) => v
+                .trim()
                 .parse::<usize>()
                 .ok()
+                .filter(|&mib| mib >= least)
                 .and_then(|mib| mib.checked_mul(1 << 20))
+                .map(Some)
                 .ok_or_else(|| {
-                    format!("GRAPHTRAIN_MEMORY_LIMIT_MIB=`{v}` is not a whole number of MiB")
-                })?,
-        ),
+                    format!("{name}=`{v}` is not a whole number of MiB, at least {least}")
+                }),
+        }
     };
+    let memory_limit_bytes = mib("GRAPHTRAIN_MEMORY_LIMIT_MIB", 0)?;
     Ok(RuntimeOptions {
         profile: var("GRAPHTRAIN_PROFILE").map_or(Profile::Off, |v| Profile::from_setting(&v)),
         gemm_kernel: var("GRAPHTRAIN_GEMM_KERNEL")
@@ -817,6 +826,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         device_matmul: Default::default(),
         device_collectives: Default::default(),
         device_graphs: Default::default(),
+        device_buffer_bytes: mib("GRAPHTRAIN_DEVICE_BUFFER_MIB", 1)?,
         // The launcher's index of this process on its machine picks its GPU (OpenMPI, MPICH,
         // Slurm); without one, a rank's index does.
         device_index: [

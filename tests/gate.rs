@@ -150,6 +150,65 @@ fn device_graphs_replay_bitwise_on_tiny() {
     }
 }
 
+/// A device arena split across buffers (`RuntimeOptions::device_buffer_bytes` below the
+/// arena: every operand bound from the window that holds it) trains `tiny` bit for bit as one
+/// buffer does: losses, gradient norms and parameters after 5 AdamW steps, eager and fused,
+/// with device graphs recording the split launches.
+#[test]
+fn a_device_arena_split_across_buffers_trains_bitwise_as_one() {
+    use graphtrain::data::DataSource;
+    use graphtrain::ir::optim::OptimConfig;
+    use graphtrain::trainer::{TrainConfig, Trainer};
+    use graphtrain_lowering::Mode;
+    use graphtrain_runtime::CompileOptions;
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let pipeline = default_pipeline();
+    for backend in graphtrain::gate::device_backends_for_tests() {
+        for mode in [Mode::Eager, Mode::Fused] {
+            let train = |buffer: Option<usize>| {
+                let cfg = TrainConfig {
+                    data: DataSource::Fixed,
+                    seed: 0,
+                    lr: 1e-3,
+                    optim: OptimConfig::default(),
+                };
+                let mut options = CompileOptions::new(&pipeline, mode);
+                options.runtime.device_buffer_bytes = buffer;
+                let mut t = Trainer::build(&tiny, cfg, backend, &options).unwrap();
+                let metrics: Vec<(u64, u64)> = (0..5)
+                    .map(|_| t.step().unwrap())
+                    .map(|m| (m.loss.to_bits(), m.grad_norm.to_bits()))
+                    .collect();
+                let plan = t.program().unwrap().plan.clone();
+                (metrics, t.parameters().unwrap(), plan)
+            };
+            let (whole, whole_params, whole_plan) = train(None);
+            assert_eq!(whole_plan.window, None, "{backend} {mode:?}: {whole_plan}");
+            // A quarter of the arena per buffer, in whole 256-byte blocks.
+            let quarter = (whole_plan.arena_bytes / 4).next_multiple_of(256);
+            let (split, split_params, split_plan) = train(Some(quarter));
+            let window = split_plan.window.expect("the arena was not split");
+            assert!(
+                split_plan.arena_bytes > 3 * window,
+                "{backend} {mode:?}: {split_plan}"
+            );
+            assert_eq!(
+                split, whole,
+                "{backend} {mode:?}: losses and gradient norms"
+            );
+            for ((name, a), (_, b)) in split_params.iter().zip(&whole_params) {
+                let bits = |t: &graphtrain::ir::HostTensor| -> Vec<u64> {
+                    t.data.iter().map(|x| x.to_bits()).collect()
+                };
+                assert!(
+                    bits(a) == bits(b),
+                    "{backend} {mode:?}: parameter {name} differs"
+                );
+            }
+        }
+    }
+}
+
 /// Activation checkpointing and offload are tier 1 too: recomputation is deterministic, on the
 /// interpreter and on the cpu backend, and offload's round trip through host memory on a device.
 #[test]

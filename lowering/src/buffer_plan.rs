@@ -42,6 +42,9 @@ pub struct BufferPlan {
     /// The most bytes live at any slot: no plan can use less.
     pub lower_bound: usize,
     pub alignment: usize,
+    /// With `Some(w)`, no buffer crosses a multiple of `w` bytes: the arena can be held in
+    /// buffers of `w` bytes each (a device whose bindings hold less than the whole arena).
+    pub window: Option<usize>,
 }
 
 impl BufferPlan {
@@ -63,7 +66,11 @@ impl fmt::Display for BufferPlan {
             } else {
                 100.0 * (self.arena_bytes as f64 / self.lower_bound as f64 - 1.0)
             }
-        )
+        )?;
+        match self.window {
+            Some(w) => write!(f, ", in windows of {}", human(w)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -89,7 +96,14 @@ pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
         .iter()
         .map(|n| (n.inputs.clone(), n.outputs.clone()))
         .collect();
-    plan(g, &slots, &|v| g.values[v.index()].size_bytes(), alignment)
+    plan(
+        g,
+        &slots,
+        &|v| g.values[v.index()].size_bytes(),
+        alignment,
+        None,
+    )
+    .expect("a plan without windows always places every buffer")
 }
 
 /// Plans the values a lowered program touches: `slots[i]` is (values read, values written) by
@@ -101,11 +115,26 @@ pub fn plan_slots(
     elem_bytes: usize,
     alignment: usize,
 ) -> BufferPlan {
+    plan_slots_in_windows(g, slots, elem_bytes, alignment, None)
+        .expect("a plan without windows always places every buffer")
+}
+
+/// As `plan_slots`, with no buffer crossing a multiple of `window` bytes (a multiple of
+/// `alignment`) when one is given. Fails, naming the value, when a buffer is larger than a
+/// window.
+pub fn plan_slots_in_windows(
+    g: &Graph,
+    slots: &[(Vec<ValueId>, Vec<ValueId>)],
+    elem_bytes: usize,
+    alignment: usize,
+    window: Option<usize>,
+) -> Result<BufferPlan, String> {
     plan(
         g,
         slots,
         &|v| g.values[v.index()].numel() * elem_bytes,
         alignment,
+        window,
     )
 }
 
@@ -114,11 +143,18 @@ fn plan(
     slots: &[(Vec<ValueId>, Vec<ValueId>)],
     size_of: &dyn Fn(ValueId) -> usize,
     alignment: usize,
-) -> BufferPlan {
+    window: Option<usize>,
+) -> Result<BufferPlan, String> {
     assert!(
         alignment.is_power_of_two(),
         "alignment must be a power of two"
     );
+    if let Some(w) = window {
+        assert!(
+            w > 0 && w % alignment == 0,
+            "a window must be a positive multiple of the alignment"
+        );
+    }
     let n_values = g.values.len();
     let end = slots.len() + 1;
     let mut def: Vec<Option<usize>> = vec![None; n_values];
@@ -215,6 +251,21 @@ fn plan(
     for &b in &order {
         let (start, stop) = buffers[b].live;
         let size = align_up(buffers[b].bytes, alignment);
+        if let Some(w) = window.filter(|&w| buffers[b].bytes > w) {
+            let v = buffers[b].values[0];
+            return Err(format!(
+                "value {} ({}, {}) is larger than one buffer of {}",
+                v.index(),
+                g.ty(v),
+                human(buffers[b].bytes),
+                human(w)
+            ));
+        }
+        // The lowest offset from `at` on where the buffer lies inside one window.
+        let within = |at: usize| match window {
+            Some(w) if size > 0 && at / w != (at + size - 1) / w => (at / w + 1) * w,
+            _ => at,
+        };
         // Occupied ranges of placed buffers whose lifetimes intersect this one, by offset.
         let mut busy: Vec<(usize, usize)> = placed
             .iter()
@@ -223,12 +274,13 @@ fn plan(
             .map(|p| (p.offset, p.offset + align_up(p.bytes, alignment)))
             .collect();
         busy.sort_unstable();
+        // Busy ranges come by start; `offset` only grows, so one pass finds the first fit.
         let mut offset = 0;
         for (lo, hi) in busy {
             if offset + size <= lo {
                 break;
             }
-            offset = offset.max(hi);
+            offset = within(offset.max(hi));
         }
         buffers[b].offset = offset;
         arena = arena.max(offset + size);
@@ -247,11 +299,12 @@ fn plan(
         lower_bound = lower_bound.max(live);
     }
 
-    BufferPlan {
+    Ok(BufferPlan {
         buffers,
         buffer_of,
         arena_bytes: arena,
         lower_bound: lower_bound as usize,
         alignment,
-    }
+        window,
+    })
 }

@@ -15,7 +15,7 @@ pub mod program;
 mod text;
 mod views;
 
-pub use buffer_plan::{plan_buffers, plan_slots, BufferPlan, Placement};
+pub use buffer_plan::{plan_buffers, plan_slots, plan_slots_in_windows, BufferPlan, Placement};
 pub use fusion::FusionLimits;
 pub use lower::{lower, lower_with, lower_with_limits};
 pub use program::{

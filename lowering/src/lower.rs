@@ -37,8 +37,8 @@ use crate::eager::eager_steps;
 use crate::fold::fold_constants;
 use crate::fusion::{fused_steps, FusionLimits};
 use crate::program::{
-    kept_composite, AdamWUpdate, LowerError, Mode, Program, Step, ARENA_ALIGN, ELEM_BYTES,
-    MAX_EXACT_INT,
+    arena_slots, kept_composite, AdamWUpdate, LowerError, Mode, Program, Step, ARENA_ALIGN,
+    ELEM_BYTES, MAX_EXACT_INT,
 };
 use graphtrain_ir::{DType, Graph, Op, ValueId};
 
@@ -89,8 +89,6 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         Mode::Eager => eager_steps(&graph, &folded)?,
         Mode::Fused => merge_adamw(&graph, fused_steps(&graph, &folded, limits)?),
     };
-    // Constants are written at load and read by every run: live from the first slot to the last.
-    let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
     // Offloaded values live in host memory: the arena holds no bytes for them.
     let host_values: Vec<ValueId> = steps
         .iter()
@@ -99,20 +97,7 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
             _ => None,
         })
         .collect();
-    let mut on_host = vec![false; graph.values.len()];
-    for v in &host_values {
-        on_host[v.index()] = true;
-    }
-    let in_arena = |vs: Vec<ValueId>| -> Vec<ValueId> {
-        vs.into_iter().filter(|v| !on_host[v.index()]).collect()
-    };
-    let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
-    slots.extend(
-        steps
-            .iter()
-            .map(|s| (in_arena(s.reads()), in_arena(s.outputs()))),
-    );
-    slots.push((const_ids, Vec::new()));
+    let slots = arena_slots(&steps, &constants, &host_values, graph.values.len());
     let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
     let producers = graph.producers();
     let step_regions = steps

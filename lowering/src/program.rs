@@ -18,7 +18,7 @@
 //! this file held all of the lowering (`program::collapse`, `program::lower`, ...): other crates
 //! use them.
 
-use crate::buffer_plan::BufferPlan;
+use crate::buffer_plan::{plan_slots_in_windows, BufferPlan};
 use graphtrain_ir::{
     BinaryOp, Collective, CompareOp, Graph, HostTensor, Op, RopeLayout, UnaryOp, ValueId,
 };
@@ -572,7 +572,50 @@ impl fmt::Display for LowerError {
 
 impl std::error::Error for LowerError {}
 
+/// What each planner slot reads and writes: slot 0 writes the constants (at load), one slot
+/// per step follows, and a last slot reads the constants (they live to the end). Offloaded
+/// values are in host memory, not in the arena, so no slot names them.
+pub(crate) fn arena_slots(
+    steps: &[Step],
+    constants: &[(ValueId, HostTensor)],
+    host_values: &[ValueId],
+    n_values: usize,
+) -> Vec<(Vec<ValueId>, Vec<ValueId>)> {
+    let const_ids: Vec<ValueId> = constants.iter().map(|(v, _)| *v).collect();
+    let mut on_host = vec![false; n_values];
+    for v in host_values {
+        on_host[v.index()] = true;
+    }
+    let in_arena = |vs: Vec<ValueId>| -> Vec<ValueId> {
+        vs.into_iter().filter(|v| !on_host[v.index()]).collect()
+    };
+    let mut slots: Vec<(Vec<ValueId>, Vec<ValueId>)> = vec![(Vec::new(), const_ids.clone())];
+    slots.extend(
+        steps
+            .iter()
+            .map(|s| (in_arena(s.reads()), in_arena(s.outputs()))),
+    );
+    slots.push((const_ids, Vec::new()));
+    slots
+}
+
 impl Program {
+    /// Plans the arena again so that no buffer crosses a multiple of `window` bytes (a
+    /// multiple of `ARENA_ALIGN`): a backend whose buffers hold less than the whole arena
+    /// then holds it in buffers of `window` bytes, each value inside one. Fails, naming the
+    /// value, when one is larger than a window.
+    pub fn plan_in_windows(&mut self, window: usize) -> Result<(), String> {
+        let slots = arena_slots(
+            &self.steps,
+            &self.constants,
+            &self.host_values,
+            self.graph.values.len(),
+        );
+        self.plan =
+            plan_slots_in_windows(&self.graph, &slots, ELEM_BYTES, ARENA_ALIGN, Some(window))?;
+        Ok(())
+    }
+
     /// Elements in the arena (4 bytes each).
     pub fn arena_elems(&self) -> usize {
         self.plan.arena_bytes / ELEM_BYTES

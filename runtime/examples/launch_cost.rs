@@ -10,6 +10,7 @@ fn main() {
     let client = cubecl::Device::cpu().unwrap().client();
     let data = vec![1.0f32; 1 << 16];
     let arena = client.create_from_slice(f32::as_bytes(&data));
+    let buffer = || unsafe { BufferArg::from_raw_parts(arena.clone(), data.len() / 8) };
     let e = Expr::Unary(graphtrain_ir::UnaryOp::Exp, Box::new(Expr::Input(0)));
     for units in [1u32, 2] {
         for rep in 0..3 {
@@ -21,7 +22,14 @@ fn main() {
                         CubeCount::Static(1, 1, 1),
                         CubeDim::new_1d(units),
                         8,
-                        BufferArg::from_raw_parts(arena.clone(), data.len() / 8),
+                        // The six inputs' buffers and the output's: all the one arena.
+                        buffer(),
+                        buffer(),
+                        buffer(),
+                        buffer(),
+                        buffer(),
+                        buffer(),
+                        buffer(),
                         // Input offsets (in vectors) and broadcast parameters of six inputs,
                         // then the output's first element, the width, its log2, the row length,
                         // the output offset (in vectors) and the length (in vectors); all inputs

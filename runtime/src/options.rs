@@ -79,6 +79,10 @@ pub struct RuntimeOptions {
     pub device_collectives: DeviceCollectives,
     /// Whether the device backends replay captured regions as device graphs.
     pub device_graphs: DeviceGraphs,
+    /// The most bytes one device buffer may hold, below the device's own binding limit: an
+    /// arena larger than that is split across buffers (to try the split on a device whose
+    /// limit the program fits under). The device's limit when unset.
+    pub device_buffer_bytes: Option<usize>,
     /// Which GPU a `cuda` rank opens, before wrapping around the GPUs present: the rank's
     /// index on its machine where the launcher says it (MPI), else the rank.
     pub device_index: Option<usize>,

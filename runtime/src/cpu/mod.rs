@@ -26,6 +26,7 @@ mod rows;
 
 use crate::options::{Profile, RuntimeOptions};
 use crate::shared::attention_shape::attention_dims;
+use crate::shared::kernel_call::Binding;
 use crate::shared::launches::{Grid, Launches};
 use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
 use crate::shared::rope_tables::{TableKey, Tables};
@@ -862,7 +863,13 @@ impl CpuExecutor {
                 for call in &calls {
                     call.check_addressing()?;
                     // SAFETY: every offset + count is inside the arena (the planner sized it).
-                    unsafe { call.dispatch(&self.client, &self.arena, self.len) };
+                    unsafe {
+                        call.dispatch(&self.client, &|_| Binding {
+                            handle: self.arena.clone(),
+                            elems: self.len,
+                            base: 0,
+                        })
+                    };
                 }
                 self.queued |= !calls.is_empty();
                 Ok(timeline::KERNELS)

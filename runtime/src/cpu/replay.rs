@@ -87,12 +87,16 @@ impl KernelCache {
                 engine
             }
         };
-        // The argument block, laid out as `launch_unchecked` registers it: the buffer's length
-        // in the static metadata, the index scalars at the kernel's 32-bit address width.
+        // The argument block, laid out as `launch_unchecked` registers it: each operand's
+        // buffer (the arena, for every one of them) and its length in the static metadata, the
+        // index scalars at the kernel's 32-bit address width.
         let mut info = InfoBuilder::default();
         let address = AddressType::U32;
-        info.metadata
-            .register_buffer(call.buffer_len(arena_elems) as u64, address);
+        let operands = call.operands().len();
+        for _ in 0..operands {
+            info.metadata
+                .register_buffer(call.buffer_len(arena_elems) as u64, address);
+        }
         for &s in call.scalars() {
             // Checked above.
             info.scalars
@@ -101,7 +105,7 @@ impl KernelCache {
         let metadata = info.finish(address).data;
         Ok(BoundLaunch {
             engine,
-            data: PlironData::new(vec![base.cast()], metadata, [1, 1, 1], Vec::new()),
+            data: PlironData::new(vec![base.cast(); operands], metadata, [1, 1, 1], Vec::new()),
             units: call.units(),
         })
     }

@@ -7,8 +7,8 @@
 //! logits plus a one-hot, and AdamW one launch per output per parameter. Each kernel here is one
 //! pass (two or three for the reductions) with nothing of that size stored.
 //!
-//! Like `kernels.rs`, every kernel addresses the one arena buffer with element offsets
-//! passed at launch, and unit `u` of `U` takes outputs `u, u + U, ...`. Operands are strided
+//! Like `kernels.rs`, every operand is a binding of its own (the arena's buffer that holds
+//! it), addressed with element offsets passed at launch, and unit `u` of `U` takes outputs `u, u + U, ...`. Operands are strided
 //! views (offset plus one stride per dim), so a transpose feeding a composite is read in place.
 //! Some kernels need room of their own: the rope angle tables and the per-row statistics of
 //! the reductions live in the arena's tail, past the index-check flag (`device.rs`).
@@ -33,7 +33,9 @@ use cubecl::prelude::*;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kernel(
-    arena: &mut [f32],
+    x_buf: &mut [f32],
+    out_buf: &mut [f32],
+    tables: &mut [f32],
     x: usize,
     x0: usize,
     x1: usize,
@@ -64,13 +66,13 @@ pub fn rope_kernel(
             j2 = 2 * i + 1;
         }
         let src = x + b * x0 + pos * x1 + h * x2;
-        let a = arena[src + j1 * x3];
-        let c = arena[src + j2 * x3];
-        let co = arena[cos + pos * half + i];
-        let si = arena[sin + pos * half + i];
+        let a = x_buf[src + j1 * x3];
+        let c = x_buf[src + j2 * x3];
+        let co = tables[cos + pos * half + i];
+        let si = tables[sin + pos * half + i];
         let dst = out + t * 2 * half;
-        arena[dst + j1] = a * co - c * si;
-        arena[dst + j2] = a * si + c * co;
+        out_buf[dst + j1] = a * co - c * si;
+        out_buf[dst + j2] = a * si + c * co;
         e += units;
     }
 }
@@ -86,7 +88,15 @@ pub fn rope_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel(
-    arena: &mut [f32],
+    p_buf: &mut [f32],
+    g_buf: &mut [f32],
+    m_buf: &mut [f32],
+    v_buf: &mut [f32],
+    p_out_buf: &mut [f32],
+    m_out_buf: &mut [f32],
+    v_out_buf: &mut [f32],
+    lr_buf: &mut [f32],
+    corrections_buf: &mut [f32],
     p: usize,
     g: usize,
     m: usize,
@@ -105,21 +115,21 @@ pub fn adamw_kernel(
     n: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
-    let rate = arena[lr];
-    let bc1 = arena[corrections];
-    let sqrt_bc2 = arena[corrections + 1];
+    let rate = lr_buf[lr];
+    let bc1 = corrections_buf[corrections];
+    let sqrt_bc2 = corrections_buf[corrections + 1];
     let decay = rate * neg_weight_decay + f32::new(1.0);
     let step_size = rate / bc1;
     let mut e = ABSOLUTE_POS;
     while e < n {
-        let gi = arena[g + e];
-        let m1 = arena[m + e] * b1 + gi * one_minus_b1;
-        let v1 = arena[v + e] * b2 + gi * gi * one_minus_b2;
+        let gi = g_buf[g + e];
+        let m1 = m_buf[m + e] * b1 + gi * one_minus_b1;
+        let v1 = v_buf[v + e] * b2 + gi * gi * one_minus_b2;
         let update = (step_size * m1) / (f32::sqrt(v1) / sqrt_bc2 + eps);
-        let p1 = arena[p + e] * decay - update;
-        arena[p_out + e] = p1;
-        arena[m_out + e] = m1;
-        arena[v_out + e] = v1;
+        let p1 = p_buf[p + e] * decay - update;
+        p_out_buf[p_out + e] = p1;
+        m_out_buf[m_out + e] = m1;
+        v_out_buf[v_out + e] = v1;
         e += units;
     }
 }
@@ -131,7 +141,10 @@ pub fn adamw_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_rows_kernel(
-    arena: &mut [f32],
+    x_buf: &mut [f32],
+    targets_buf: &mut [f32],
+    stats_buf: &mut [f32],
+    losses_buf: &mut [f32],
     x: usize,
     xr: usize,
     xc: usize,
@@ -147,19 +160,19 @@ pub fn cross_entropy_rows_kernel(
     let mut r = ABSOLUTE_POS;
     while r < rows {
         let row = x + r * xr;
-        let mut mx = arena[row];
+        let mut mx = x_buf[row];
         for j in 1..cols {
-            mx = max(mx, arena[row + j * xc]);
+            mx = max(mx, x_buf[row + j * xc]);
         }
         let mut s = f32::new(0.0);
         for j in 0..cols {
-            s += f32::exp(arena[row + j * xc] - mx);
+            s += f32::exp(x_buf[row + j * xc] - mx);
         }
-        arena[stats + 2 * r] = mx;
-        arena[stats + 2 * r + 1] = s;
+        stats_buf[stats + 2 * r] = mx;
+        stats_buf[stats + 2 * r + 1] = s;
         if with_loss == 1 {
-            let t = usize::cast_from(arena[targets + r * ts]);
-            arena[losses + r] = (mx + f32::ln(s)) - arena[row + t * xc];
+            let t = usize::cast_from(targets_buf[targets + r * ts]);
+            losses_buf[losses + r] = (mx + f32::ln(s)) - x_buf[row + t * xc];
         }
         r += units;
     }
@@ -167,13 +180,19 @@ pub fn cross_entropy_rows_kernel(
 
 /// `out = (Σ_r losses[r]) / rows`, the rows summed in order by one unit.
 #[cube(launch_unchecked)]
-pub fn mean_kernel(arena: &mut [f32], losses: usize, out: usize, rows: usize) {
+pub fn mean_kernel(
+    losses_buf: &mut [f32],
+    out_buf: &mut [f32],
+    losses: usize,
+    out: usize,
+    rows: usize,
+) {
     if ABSOLUTE_POS == 0 {
         let mut total = f32::new(0.0);
         for r in 0..rows {
-            total += arena[losses + r];
+            total += losses_buf[losses + r];
         }
-        arena[out] = total / f32::cast_from(rows);
+        out_buf[out] = total / f32::cast_from(rows);
     }
 }
 
@@ -183,7 +202,11 @@ pub fn mean_kernel(arena: &mut [f32], losses: usize, out: usize, rows: usize) {
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward_kernel(
-    arena: &mut [f32],
+    x_buf: &mut [f32],
+    targets_buf: &mut [f32],
+    stats_buf: &mut [f32],
+    grad_buf: &mut [f32],
+    out_buf: &mut [f32],
     x: usize,
     xr: usize,
     xc: usize,
@@ -197,20 +220,20 @@ pub fn cross_entropy_backward_kernel(
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let rows = total / cols;
-    let scale = arena[grad] / f32::cast_from(rows);
+    let scale = grad_buf[grad] / f32::cast_from(rows);
     let mut e = ABSOLUTE_POS;
     while e < total {
         let j = e % cols;
         let r = e / cols;
-        let mx = arena[stats + 2 * r];
-        let s = arena[stats + 2 * r + 1];
-        let p = f32::exp(arena[x + r * xr + j * xc] - mx) / s;
-        let t = usize::cast_from(arena[targets + r * ts]);
+        let mx = stats_buf[stats + 2 * r];
+        let s = stats_buf[stats + 2 * r + 1];
+        let p = f32::exp(x_buf[x + r * xr + j * xc] - mx) / s;
+        let t = usize::cast_from(targets_buf[targets + r * ts]);
         let mut hot = f32::new(0.0);
         if j == t {
             hot = f32::new(1.0);
         }
-        arena[out + e] = (p - hot) * scale;
+        out_buf[out + e] = (p - hot) * scale;
         e += units;
     }
 }
@@ -279,10 +302,20 @@ impl AttentionShape {
 /// The score `(q_i · k_j) · scale` of query row `q` (element stride `qd`) against key row `k`
 /// (element stride `kd`) over `d` elements.
 #[cube]
-fn score(arena: &mut [f32], q: usize, qd: usize, k: usize, kd: usize, d: usize, scale: f32) -> f32 {
+#[allow(clippy::too_many_arguments)]
+fn score(
+    q_buf: &mut [f32],
+    q: usize,
+    qd: usize,
+    k_buf: &mut [f32],
+    k: usize,
+    kd: usize,
+    d: usize,
+    scale: f32,
+) -> f32 {
     let mut dot = f32::new(0.0);
     for x in 0..d {
-        dot += arena[q + x * qd] * arena[k + x * kd];
+        dot += q_buf[q + x * qd] * k_buf[k + x * kd];
     }
     dot * scale
 }
@@ -302,9 +335,10 @@ struct Softmax {
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn softmax_stats(
-    arena: &mut [f32],
+    q_buf: &mut [f32],
     q: usize,
     qd: usize,
+    k_buf: &mut [f32],
     k: usize,
     kr: usize,
     kd: usize,
@@ -312,10 +346,10 @@ fn softmax_stats(
     d: usize,
     scale: f32,
 ) -> Softmax {
-    let mut mx = score(arena, q, qd, k, kd, d, scale);
+    let mut mx = score(q_buf, q, qd, k_buf, k, kd, d, scale);
     let mut sum = f32::new(1.0);
     for j in 1..keys {
-        let s = score(arena, q, qd, k + j * kr, kd, d, scale);
+        let s = score(q_buf, q, qd, k_buf, k + j * kr, kd, d, scale);
         if s > mx {
             sum = sum * f32::exp(mx - s) + f32::new(1.0);
             mx = s;
@@ -332,7 +366,10 @@ fn softmax_stats(
 /// unnormalized sum is accumulated in the output row, then divided by the softmax's sum.
 #[cube(launch_unchecked)]
 pub fn attention_kernel(
-    arena: &mut [f32],
+    q_buf: &mut [f32],
+    k_buf: &mut [f32],
+    v_buf: &mut [f32],
+    o_buf: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
@@ -351,20 +388,20 @@ pub fn attention_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let oi = o.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
+        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
         for x in 0..d {
-            arena[oi + x] = f32::new(0.0);
+            o_buf[oi + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx);
+            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx);
             for x in 0..d {
-                arena[oi + x] += p * arena[vb + j * v.s2 + x * v.s3];
+                o_buf[oi + x] += p * v_buf[vb + j * v.s2 + x * v.s3];
             }
         }
         for x in 0..d {
-            arena[oi + x] /= sum;
+            o_buf[oi + x] /= sum;
         }
         e += units;
     }
@@ -377,7 +414,12 @@ pub fn attention_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_dq_kernel(
-    arena: &mut [f32],
+    q_buf: &mut [f32],
+    k_buf: &mut [f32],
+    v_buf: &mut [f32],
+    g_buf: &mut [f32],
+    dq_buf: &mut [f32],
+    stats_buf: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
@@ -399,30 +441,50 @@ pub fn attention_dq_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let di = dq.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(arena, qi, q.s3, kb, k.s2, k.s3, keys, d, scale);
+        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, d, scale);
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
-            delta += p * score(arena, gi, g.s3, vb + j * v.s2, v.s3, d, f32::new(1.0));
+            let p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+            delta += p * score(
+                g_buf,
+                gi,
+                g.s3,
+                v_buf,
+                vb + j * v.s2,
+                v.s3,
+                d,
+                f32::new(1.0),
+            );
         }
-        arena[stats + 3 * e] = mx;
-        arena[stats + 3 * e + 1] = sum;
-        arena[stats + 3 * e + 2] = delta;
+        stats_buf[stats + 3 * e] = mx;
+        stats_buf[stats + 3 * e + 1] = sum;
+        stats_buf[stats + 3 * e + 2] = delta;
         for x in 0..d {
-            arena[di + x] = f32::new(0.0);
+            dq_buf[di + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(score(arena, qi, q.s3, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
-            let dp = score(arena, gi, g.s3, vb + j * v.s2, v.s3, d, f32::new(1.0));
+            let p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+            let dp = score(
+                g_buf,
+                gi,
+                g.s3,
+                v_buf,
+                vb + j * v.s2,
+                v.s3,
+                d,
+                f32::new(1.0),
+            );
             let ds = p * (dp - delta);
             for x in 0..d {
-                arena[di + x] += ds * arena[kb + j * k.s2 + x * k.s3];
+                dq_buf[di + x] += ds * k_buf[kb + j * k.s2 + x * k.s3];
             }
         }
         for x in 0..d {
-            arena[di + x] *= scale;
+            dq_buf[di + x] *= scale;
         }
         e += units;
     }
@@ -435,7 +497,13 @@ pub fn attention_dq_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_kv_backward_kernel(
-    arena: &mut [f32],
+    q_buf: &mut [f32],
+    k_buf: &mut [f32],
+    v_buf: &mut [f32],
+    g_buf: &mut [f32],
+    dk_buf: &mut [f32],
+    dv_buf: &mut [f32],
+    stats_buf: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
@@ -464,8 +532,8 @@ pub fn attention_kv_backward_kernel(
         let dkj = dk.row(b, kvh, j);
         let dvj = dv.row(b, kvh, j);
         for x in 0..d {
-            arena[dkj + x] = f32::new(0.0);
-            arena[dvj + x] = f32::new(0.0);
+            dk_buf[dkj + x] = f32::new(0.0);
+            dv_buf[dvj + x] = f32::new(0.0);
         }
         let mut first = 0;
         if shape.causal == 1 {
@@ -477,18 +545,19 @@ pub fn attention_kv_backward_kernel(
                 let qi = q.row(b, h, i);
                 let gi = g.row(b, h, i);
                 let row = stats + 3 * ((b * heads + h) * seq + i);
-                let p = f32::exp(score(arena, qi, q.s3, kj, k.s3, d, scale) - arena[row])
-                    / arena[row + 1];
-                let dp = score(arena, gi, g.s3, vj, v.s3, d, f32::new(1.0));
-                let ds = p * (dp - arena[row + 2]);
+                let p =
+                    f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, d, scale) - stats_buf[row])
+                        / stats_buf[row + 1];
+                let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, d, f32::new(1.0));
+                let ds = p * (dp - stats_buf[row + 2]);
                 for x in 0..d {
-                    arena[dvj + x] += p * arena[gi + x * g.s3];
-                    arena[dkj + x] += ds * arena[qi + x * q.s3];
+                    dv_buf[dvj + x] += p * g_buf[gi + x * g.s3];
+                    dk_buf[dkj + x] += ds * q_buf[qi + x * q.s3];
                 }
             }
         }
         for x in 0..d {
-            arena[dkj + x] *= scale;
+            dk_buf[dkj + x] *= scale;
         }
         e += units;
     }

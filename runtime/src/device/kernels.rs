@@ -1,7 +1,7 @@
 //! The cubecl kernels the device backends (`wgpu`, `cuda`) launch for the steps the cpu backend
 //! runs on the host: matmul, gather, scatter-add and the index check in front of both. Like
-//! `kernels.rs`, every kernel addresses the one arena buffer with element offsets passed at
-//! launch.
+//! `kernels.rs`, every operand is a binding of its own (the arena's buffer that holds it),
+//! addressed with element offsets passed at launch.
 //!
 //! Work split: unit `u` of `U` takes outputs `u, u + U, u + 2U, ...` (a grid-stride loop), so
 //! neighbouring units touch neighbouring outputs, as a GPU's memory system wants.
@@ -21,7 +21,9 @@ use cubecl::prelude::*;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_kernel(
-    arena: &mut [f32],
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+    c_buf: &mut [f32],
     a: usize,
     a_batch: usize,
     a_row: usize,
@@ -49,10 +51,10 @@ pub fn matmul_kernel(
         let col = b + batch * b_batch + j * b_col;
         let mut acc = f32::new(0.0);
         for kk in 0..k {
-            acc += rounded(arena[row + kk * a_col], round_in & 1)
-                * rounded(arena[col + kk * b_row], (round_in >> 1) & 1);
+            acc += rounded(a_buf[row + kk * a_col], round_in & 1)
+                * rounded(b_buf[col + kk * b_row], (round_in >> 1) & 1);
         }
-        arena[c + e] = rounded(acc, round_bf16);
+        c_buf[c + e] = rounded(acc, round_bf16);
         e += units;
     }
 }
@@ -79,11 +81,11 @@ fn rounded(x: f32, round_bf16: u32) -> f32 {
 /// `arena[at..at + total]` rounded to bf16 in place (as `rounded` does): a bf16 sum that NCCL
 /// made in f32, rounded once, as the other collective engines round theirs.
 #[cube(launch_unchecked)]
-pub fn round_bf16_kernel(arena: &mut [f32], at: usize, total: usize) {
+pub fn round_bf16_kernel(x: &mut [f32], at: usize, total: usize) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < total {
-        arena[at + e] = rounded(arena[at + e], 1u32);
+        x[at + e] = rounded(x[at + e], 1u32);
         e += units;
     }
 }
@@ -98,7 +100,9 @@ pub fn round_bf16_kernel(arena: &mut [f32], at: usize, total: usize) {
 // Plain arithmetic (`(k + 15) / 16`) is what the cube macro expands; `div_ceil` it may not.
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 pub fn matmul_tiled_kernel(
-    arena: &mut [f32],
+    a_buf: &mut [f32],
+    b_buf: &mut [f32],
+    c_buf: &mut [f32],
     a: usize,
     a_batch: usize,
     a_row: usize,
@@ -129,13 +133,13 @@ pub fn matmul_tiled_kernel(
         let ka = t * 16 + tx;
         let mut va = f32::new(0.0);
         if i < m && ka < k {
-            va = rounded(arena[row + ka * a_col], round_in & 1);
+            va = rounded(a_buf[row + ka * a_col], round_in & 1);
         }
         a_tile[ty * 16 + tx] = va;
         let kb = t * 16 + ty;
         let mut vb = f32::new(0.0);
         if j < n && kb < k {
-            vb = rounded(arena[col + kb * b_row], (round_in >> 1) & 1);
+            vb = rounded(b_buf[col + kb * b_row], (round_in >> 1) & 1);
         }
         b_tile[ty * 16 + tx] = vb;
         sync_cube();
@@ -148,7 +152,7 @@ pub fn matmul_tiled_kernel(
         sync_cube();
     }
     if i < m && j < n {
-        arena[c + (batch * m + i) * n + j] = rounded(acc, round_bf16);
+        c_buf[c + (batch * m + i) * n + j] = rounded(acc, round_bf16);
     }
 }
 
@@ -157,7 +161,8 @@ pub fn matmul_tiled_kernel(
 /// there are several is up to the schedule; each write is one whole float.
 #[cube(launch_unchecked)]
 pub fn check_indices_kernel(
-    arena: &mut [f32],
+    index_buf: &mut [f32],
+    status_buf: &mut [f32],
     index: usize,
     stride: usize,
     n: usize,
@@ -167,10 +172,10 @@ pub fn check_indices_kernel(
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < n {
-        let x = arena[index + e * stride];
+        let x = index_buf[index + e * stride];
         let whole = f32::floor(x) == x;
         if !(x >= 0.0 && x < bound && whole) {
-            arena[status] = f32::cast_from(e + 1);
+            status_buf[status] = f32::cast_from(e + 1);
         }
         e += units;
     }
@@ -183,7 +188,9 @@ pub fn check_indices_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn gather_kernel(
-    arena: &mut [f32],
+    src_buf: &mut [f32],
+    index_buf: &mut [f32],
+    out_buf: &mut [f32],
     src: usize,
     index: usize,
     out: usize,
@@ -207,13 +214,13 @@ pub fn gather_kernel(
         let t = t / n2;
         let c1 = t % n1;
         let c0 = t / n1;
-        let x = arena[index + e];
+        let x = index_buf[index + e];
         let mut value = f32::new(0.0);
         if x >= 0.0 && x < f32::cast_from(bound) {
             let i = usize::cast_from(x);
-            value = arena[src + c0 * s0 + c1 * s1 + c2 * s2 + c3 * s3 + i * s_axis];
+            value = src_buf[src + c0 * s0 + c1 * s1 + c2 * s2 + c3 * s3 + i * s_axis];
         }
-        arena[out + e] = value;
+        out_buf[out + e] = value;
         e += units;
     }
 }
@@ -227,7 +234,10 @@ pub fn gather_kernel(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn scatter_add_kernel(
-    arena: &mut [f32],
+    src_buf: &mut [f32],
+    index_buf: &mut [f32],
+    add_buf: &mut [f32],
+    out_buf: &mut [f32],
     src: usize,
     index: usize,
     add: usize,
@@ -255,7 +265,7 @@ pub fn scatter_add_kernel(
         let t = t / m2;
         let o1 = t % m1;
         let o0 = t / m1;
-        let mut acc = arena[src + e];
+        let mut acc = src_buf[src + e];
         // The output's coordinate along the axis is the index value to match; the others must
         // exist in the index tensor.
         let mut inside = (axis == 0 || o0 < i0) && (axis == 1 || o1 < i1);
@@ -284,12 +294,12 @@ pub fn scatter_add_kernel(
             let want = f32::cast_from(target);
             for j in 0..along {
                 let p = base + j * step;
-                if arena[index + p] == want {
-                    acc += arena[add + p];
+                if index_buf[index + p] == want {
+                    acc += add_buf[add + p];
                 }
             }
         }
-        arena[out + e] = acc;
+        out_buf[out + e] = acc;
         e += units;
     }
 }

@@ -41,7 +41,7 @@ pub mod nccl_plan;
 
 use crate::options::{DeviceCollectives, DeviceGraphs, DeviceMatmul, Profile, RuntimeOptions};
 use crate::shared::attention_shape::{attention_dims, Dims};
-use crate::shared::kernel_call::grid;
+use crate::shared::kernel_call::{grid, Binding};
 use crate::shared::launches::{Grid, Launches};
 use crate::shared::profile::{profile_key, profile_report, ProfileEntry};
 use crate::shared::rope_tables::{TableKey, Tables};
@@ -180,7 +180,13 @@ pub struct DeviceExecutor {
     program: Program,
     kind: DeviceKind,
     client: Client,
-    arena: cubecl::server::Handle,
+    /// The arena's buffers with their lengths in elements: one holding the Program's values
+    /// and the tail, or, where one binding holds less (`window`), one per window of the
+    /// arena and one for the tail.
+    buffers: Vec<(cubecl::server::Handle, usize)>,
+    /// Elements per window, when the arena is split across buffers: the plan keeps every
+    /// value inside one window (`Program::plan_in_windows`), so each operand is one binding.
+    window: Option<usize>,
     /// Elements of the arena the Program addresses; the index-check flag lives right after.
     len: usize,
     /// What lies past the flag, and the buffer's size in elements.
@@ -255,22 +261,52 @@ impl DeviceExecutor {
         let ordinal = kind.ordinal(options.device_index.unwrap_or(comm.rank()))?;
         let device = kind.device_at(ordinal)?;
         let client = open(&device, kind)?;
+        let mut program = program;
+        // The most elements one buffer holds: the device's binding limit (or the option's, if
+        // lower), in 32-bit element indices, in whole 64-element blocks (the arena's 256-byte
+        // alignment and whole vectors).
+        let device_max = client.properties().memory.max_page_size;
+        let max_bytes = options
+            .device_buffer_bytes
+            .map_or(device_max, |b| (b as u64).min(device_max));
+        let max_elems = ((max_bytes / 4).min(u32::MAX as u64) as usize) / 64 * 64;
         // Whole vectors, plus one vector holding the index-check flag, then the tail.
-        let len = program.arena_elems().next_multiple_of(VECTOR);
-        let (tail, tables) = Tail::plan(&program, len + VECTOR);
-        let bytes = tail.end * 4;
-        let max = client.properties().memory.max_page_size;
-        if bytes as u64 > max || tail.end > u32::MAX as usize {
-            return Err(RuntimeError::DoesNotFit(format!(
-                "the program does not fit: the buffer plan needs {} ({}; with the \
-composites' tables and scratch {}), and one buffer on this {} device holds at most {}",
-                crate::mib(len * 4),
-                program.plan,
-                crate::mib(bytes),
-                kind.name(),
-                crate::mib(max.min(usize::MAX as u64) as usize)
-            )));
+        let mut len = program.arena_elems().next_multiple_of(VECTOR);
+        let (mut tail, mut tables) = Tail::plan(&program, len + VECTOR);
+        let mut window = None;
+        if tail.end > max_elems {
+            let single = program.plan.to_string();
+            let does_not_fit = |why: String| {
+                RuntimeError::DoesNotFit(format!(
+                    "the program does not fit: {why}, and one buffer on this {} device holds \
+at most {} (the buffer plan: {single})",
+                    kind.name(),
+                    crate::mib(max_elems * 4)
+                ))
+            };
+            if max_elems == 0 {
+                return Err(does_not_fit("no buffer".into()));
+            }
+            program
+                .plan_in_windows(max_elems * 4)
+                .map_err(&does_not_fit)?;
+            len = program.arena_elems().next_multiple_of(VECTOR);
+            (tail, tables) = Tail::plan(&program, len + VECTOR);
+            if tail.end - len > max_elems {
+                return Err(does_not_fit(format!(
+                    "the composites' tables and scratch take {}",
+                    crate::mib((tail.end - len) * 4)
+                )));
+            }
+            window = Some(max_elems);
         }
+        let sizes: Vec<usize> = match window {
+            None => vec![tail.end],
+            Some(w) => (0..len.div_ceil(w))
+                .map(|i| w.min(len - i * w))
+                .chain([tail.end - len])
+                .collect(),
+        };
         let in_use = || {
             client
                 .memory_report(cubecl::MemoryScope::Device)
@@ -278,14 +314,18 @@ composites' tables and scratch {}), and one buffer on this {} device holds at mo
                 .bytes_in_use
         };
         let before = in_use();
-        let arena = client.create_from_slice(&vec![0u8; bytes]);
+        let buffers = sizes
+            .iter()
+            .map(|&n| (client.create_from_slice(&vec![0u8; n * 4]), n))
+            .collect();
         let arena_measured = in_use().saturating_sub(before);
         let constants = program.constants.clone();
         let mut exec = DeviceExecutor {
             program,
             kind,
             client,
-            arena,
+            buffers,
+            window,
             len,
             tail,
             profile: (options.profile != Profile::Off).then(Vec::new),
@@ -370,12 +410,50 @@ collectives through host memory (device_collectives=host or auto)",
         self.program.elem_offset(v)
     }
 
+    /// The buffer holding arena element `at` (a flag or tail element past the Program's
+    /// values is in the tail's).
+    fn locate(&self, at: usize) -> Binding {
+        let (i, base) = match self.window {
+            None => (0, 0),
+            Some(_) if at >= self.len => (self.buffers.len() - 1, self.len),
+            Some(w) => (at / w, at / w * w),
+        };
+        Binding {
+            handle: self.buffers[i].0.clone(),
+            elems: self.buffers[i].1,
+            base,
+        }
+    }
+
+    /// The operand at arena element `at` as a launch binds it: its buffer, and `at` inside it.
+    fn operand(&self, at: usize) -> (BufferArg, usize) {
+        let b = self.locate(at);
+        // SAFETY: the buffer holds `b.elems` floats; every launch addresses inside it (the
+        // planner keeps each operand inside one buffer).
+        let arg = unsafe { BufferArg::from_raw_parts(b.handle, b.elems) };
+        (arg, at - b.base)
+    }
+
+    /// An attention operand as its kernels take it: its buffer, and offset and four strides
+    /// inside it.
+    fn heads4(&self, (at, s): (usize, [usize; 4])) -> (BufferArg, Heads4Launch) {
+        let (buffer, at) = self.operand(at);
+        (buffer, Heads4Launch::new(at, s[0], s[1], s[2], s[3]))
+    }
+
     #[cfg(feature = "cuda")]
     fn join_nccl(&mut self, ordinal: usize) -> Result<(), RuntimeError> {
         type Server = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+        if self.window.is_some() {
+            return Err(RuntimeError::Unavailable(format!(
+                "NCCL collectives address the arena as one device buffer, and this program's \
+is split across {} (device_collectives=host moves collectives through host memory)",
+                self.buffers.len()
+            )));
+        }
         let arena = self
             .client
-            .get_resource::<Server>(self.arena.clone())
+            .get_resource::<Server>(self.buffers[0].0.clone())
             .map_err(|e| {
                 RuntimeError::Backend(format!("NCCL: the arena's device address: {e:?}"))
             })?;
@@ -398,16 +476,10 @@ collectives through host memory (device_collectives=host or auto)",
     #[cfg(feature = "cuda")]
     fn round_to_bf16(&self, at: usize, len: usize) {
         let (count, dim) = grid(units_for(len));
+        let (buffer, at) = self.operand(at);
         // SAFETY: the range is a collective's result inside the arena.
         unsafe {
-            kernels::round_bf16_kernel::launch_unchecked(
-                &self.client,
-                count,
-                dim,
-                self.buffer(),
-                at,
-                len,
-            )
+            kernels::round_bf16_kernel::launch_unchecked(&self.client, count, dim, buffer, at, len)
         };
     }
 
@@ -425,13 +497,14 @@ collectives through host memory (device_collectives=host or auto)",
         })
     }
 
-    /// The arena's elements `start..start + n`, as a handle for reads and writes.
+    /// The arena's elements `start..start + n` (inside one buffer), as a handle for reads and
+    /// writes.
     fn range(&self, start: usize, n: usize) -> cubecl::server::Handle {
-        let total = self.tail.end;
-        self.arena
-            .clone()
-            .offset_start((start * 4) as u64)
-            .offset_end(((total - start - n) * 4) as u64)
+        let b = self.locate(start);
+        let at = start - b.base;
+        b.handle
+            .offset_start((at * 4) as u64)
+            .offset_end(((b.elems - at - n) * 4) as u64)
     }
 
     fn write_floats(&self, start: usize, data: &[f32]) {
@@ -488,11 +561,6 @@ collectives through host memory (device_collectives=host or auto)",
             .collect())
     }
 
-    fn buffer(&self) -> BufferArg {
-        // SAFETY: the buffer holds `tail.end` floats; every launch addresses inside it.
-        unsafe { BufferArg::from_raw_parts(self.arena.clone(), self.tail.end) }
-    }
-
     /// Launches the index check over `n` indices at `index` (`stride` apart) and fails, naming
     /// step `i`, when one is out of `0..bound`. `what` names an index and its position in the
     /// error, as `("index", "position")`.
@@ -511,18 +579,21 @@ collectives through host memory (device_collectives=host or auto)",
             return Ok(());
         }
         let (count, dim) = grid(units_for(n));
-        // SAFETY: the indices and the flag lie inside the arena.
+        let (index_buf, index_at) = self.operand(index);
+        let (flag_buf, flag_at) = self.operand(self.len);
+        // SAFETY: the indices and the flag lie inside their buffers.
         unsafe {
             check_indices_kernel::launch_unchecked(
                 &self.client,
                 count,
                 dim,
-                self.buffer(),
-                index,
+                index_buf,
+                flag_buf,
+                index_at,
                 stride,
                 n,
                 bound as f32,
-                self.len,
+                flag_at,
             )
         };
         let flag = self.read_floats(self.len, 1)?[0];
@@ -608,8 +679,9 @@ collectives through host memory (device_collectives=host or auto)",
         if let Some(calls) = launches.kernel_calls(step)? {
             for call in &calls {
                 call.check_addressing()?;
-                // SAFETY: every offset + count is inside the arena (the planner sized it).
-                unsafe { call.dispatch(&self.client, &self.arena, self.len) };
+                // SAFETY: every offset + count is inside the arena (the planner sized it), and
+                // every operand inside one of its buffers (the planner's windows).
+                unsafe { call.dispatch(&self.client, &|at| self.locate(at)) };
             }
             return Ok(());
         }
@@ -629,7 +701,9 @@ collectives through host memory (device_collectives=host or auto)",
                 if total == 0 {
                     return Ok(());
                 }
-                let (ao, bo) = (self.off(a.base) + a.offset, self.off(b.base) + b.offset);
+                let (a_buf, ao) = self.operand(self.off(a.base) + a.offset);
+                let (b_buf, bo) = self.operand(self.off(b.base) + b.offset);
+                let (c_buf, co) = self.operand(self.off(*out));
                 // bf16-mixed: bf16 operands (held in f32 slots) summed in f32, rounded once.
                 let round_bf16 = u32::from(bf16.out);
                 let round_in = round_bf16 * (u32::from(bf16.a) | (u32::from(bf16.b) << 1));
@@ -646,7 +720,9 @@ collectives through host memory (device_collectives=host or auto)",
                             &self.client,
                             count,
                             CubeDim::new_2d(16, 16),
-                            self.buffer(),
+                            a_buf,
+                            b_buf,
+                            c_buf,
                             ao,
                             a.strides[0],
                             a.strides[1],
@@ -655,7 +731,7 @@ collectives through host memory (device_collectives=host or auto)",
                             b.strides[0],
                             b.strides[1],
                             b.strides[2],
-                            self.off(*out),
+                            co,
                             *m,
                             *n,
                             *k,
@@ -673,7 +749,9 @@ collectives through host memory (device_collectives=host or auto)",
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
+                        a_buf,
+                        b_buf,
+                        c_buf,
                         ao,
                         a.strides[0],
                         a.strides[1],
@@ -682,7 +760,7 @@ collectives through host memory (device_collectives=host or auto)",
                         b.strides[0],
                         b.strides[1],
                         b.strides[2],
-                        self.off(*out),
+                        co,
                         *m,
                         *n,
                         *k,
@@ -710,13 +788,18 @@ collectives through host memory (device_collectives=host or auto)",
                 }
                 let (n, s, s_axis) = padded_dims(ishape, sshape, *axis, step)?;
                 let (count, dim) = grid(units_for(total));
+                let (src_buf, so) = self.operand(so);
+                let (index_buf, io) = self.operand(io);
+                let (out_buf, oo) = self.operand(oo);
                 // SAFETY: source, indices and output lie inside the arena, the output apart.
                 unsafe {
                     gather_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
+                        src_buf,
+                        index_buf,
+                        out_buf,
                         so,
                         io,
                         oo,
@@ -777,6 +860,10 @@ collectives through host memory (device_collectives=host or auto)",
                 ib[pad..].copy_from_slice(ishape);
                 q[pad..].copy_from_slice(&istrides);
                 let (count, dim) = grid(units_for(total));
+                let (src_buf, src_at) = self.operand(self.off(*src));
+                let (index_buf, io) = self.operand(io);
+                let (add_buf, add_at) = self.operand(self.off(*add));
+                let (out_buf, out_at) = self.operand(self.off(*out));
                 // SAFETY: every operand lies inside the arena; `out` is `src` or apart from
                 // every operand.
                 unsafe {
@@ -784,11 +871,14 @@ collectives through host memory (device_collectives=host or auto)",
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        self.off(*src),
+                        src_buf,
+                        index_buf,
+                        add_buf,
+                        out_buf,
+                        src_at,
                         io,
-                        self.off(*add),
-                        self.off(*out),
+                        add_at,
+                        out_at,
                         m[1],
                         m[2],
                         m[3],
@@ -1007,7 +1097,10 @@ and {n} targets",
                     return Ok(());
                 }
                 let (count, dim) = grid(units_for(total));
-                // SAFETY: the view, the output and the tables lie inside the buffer, the
+                let (x_buf, xo) = self.operand(xo);
+                let (out_buf, out_at) = self.operand(self.off(*out));
+                let (tables, cos) = self.operand(cos);
+                // SAFETY: the view, the output and the tables lie inside their buffers, the
                 // output apart from the input (the planner never places an output over a live
                 // operand).
                 unsafe {
@@ -1015,13 +1108,15 @@ and {n} targets",
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
+                        x_buf,
+                        out_buf,
+                        tables,
                         xo,
                         xs[0],
                         xs[1],
                         xs[2],
                         xs[3],
-                        self.off(*out),
+                        out_at,
                         cos,
                         cos + seq * half,
                         seq,
@@ -1054,6 +1149,15 @@ and {n} targets",
                         continue;
                     }
                     let (count, dim) = grid(units_for(n));
+                    let (p_buf, p) = self.operand(self.off(u.p));
+                    let (g_buf, g) = self.operand(self.off(u.g));
+                    let (m_buf, m) = self.operand(self.off(u.m));
+                    let (v_buf, v) = self.operand(self.off(u.v));
+                    let (p_out_buf, p_out) = self.operand(self.off(u.p_out));
+                    let (m_out_buf, m_out) = self.operand(self.off(u.m_out));
+                    let (v_out_buf, v_out) = self.operand(self.off(u.v_out));
+                    let (lr_buf, lr) = self.operand(self.off(*lr));
+                    let (corrections_buf, corrections) = self.operand(corrections);
                     // SAFETY: every value lies inside the arena; an output is its own input
                     // (in place, each element read before it is written by the same unit) or
                     // apart from every operand.
@@ -1062,15 +1166,23 @@ and {n} targets",
                             &self.client,
                             count,
                             dim,
-                            self.buffer(),
-                            self.off(u.p),
-                            self.off(u.g),
-                            self.off(u.m),
-                            self.off(u.v),
-                            self.off(u.p_out),
-                            self.off(u.m_out),
-                            self.off(u.v_out),
-                            self.off(*lr),
+                            p_buf,
+                            g_buf,
+                            m_buf,
+                            v_buf,
+                            p_out_buf,
+                            m_out_buf,
+                            v_out_buf,
+                            lr_buf,
+                            corrections_buf,
+                            p,
+                            g,
+                            m,
+                            v,
+                            p_out,
+                            m_out,
+                            v_out,
+                            lr,
                             corrections,
                             *beta1 as f32,
                             (1.0 - beta1) as f32,
@@ -1090,34 +1202,43 @@ and {n} targets",
             } => {
                 let x = self.cross_entropy_operands(i, step, logits, targets)?;
                 let (count, dim) = grid(units_for(x.rows));
-                let losses = scratch + 2 * x.rows;
-                // SAFETY: the views and the scratch lie inside the buffer; the targets were
+                let (x_buf, xo) = self.operand(x.x);
+                let (targets_buf, to) = self.operand(x.t);
+                let (stats_buf, stats) = self.operand(scratch);
+                let (losses_buf, losses) = self.operand(scratch + 2 * x.rows);
+                // SAFETY: the views and the scratch lie inside their buffers; the targets were
                 // checked.
                 unsafe {
                     cross_entropy_rows_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        x.x,
+                        x_buf,
+                        targets_buf,
+                        stats_buf,
+                        losses_buf,
+                        xo,
                         x.xr,
                         x.xc,
-                        x.t,
+                        to,
                         x.ts,
-                        scratch,
+                        stats,
                         losses,
                         1,
                         x.cols,
                         x.rows,
                     );
                     let (count, dim) = grid(1);
+                    let (losses_buf, losses) = self.operand(scratch + 2 * x.rows);
+                    let (out_buf, out_at) = self.operand(self.off(*out));
                     mean_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
+                        losses_buf,
+                        out_buf,
                         losses,
-                        self.off(*out),
+                        out_at,
                         x.rows,
                     )
                 };
@@ -1131,38 +1252,57 @@ and {n} targets",
                 let x = self.cross_entropy_operands(i, step, logits, targets)?;
                 let (count, dim) = grid(units_for(x.rows));
                 let total = x.rows * x.cols;
+                let operands = |this: &Self| {
+                    let (x_buf, xo) = this.operand(x.x);
+                    let (targets_buf, to) = this.operand(x.t);
+                    let (stats_buf, stats) = this.operand(scratch);
+                    (x_buf, xo, targets_buf, to, stats_buf, stats)
+                };
+                let (x_buf, xo, targets_buf, to, stats_buf, stats) = operands(self);
+                // The losses' buffer: unused without them (`with_loss` 0).
+                let (unused, _) = self.operand(scratch);
                 // SAFETY: as for the forward step; the output is apart from every operand.
                 unsafe {
                     cross_entropy_rows_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        x.x,
+                        x_buf,
+                        targets_buf,
+                        stats_buf,
+                        unused,
+                        xo,
                         x.xr,
                         x.xc,
-                        x.t,
+                        to,
                         x.ts,
-                        scratch,
-                        scratch,
+                        stats,
+                        stats,
                         0,
                         x.cols,
                         x.rows,
                     );
                     let (count, dim) = grid(units_for(total));
+                    let (x_buf, xo, targets_buf, to, stats_buf, stats) = operands(self);
+                    let (grad_buf, grad_at) = self.operand(self.off(*grad));
+                    let (out_buf, out_at) = self.operand(self.off(*out));
                     cross_entropy_backward_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        x.x,
+                        x_buf,
+                        targets_buf,
+                        stats_buf,
+                        grad_buf,
+                        out_buf,
+                        xo,
                         x.xr,
                         x.xc,
-                        x.t,
+                        to,
                         x.ts,
-                        scratch,
-                        self.off(*grad),
-                        self.off(*out),
+                        stats,
+                        grad_at,
+                        out_at,
                         x.cols,
                         total,
                     )
@@ -1186,6 +1326,10 @@ and {n} targets",
                     return Ok(());
                 }
                 let (count, dim) = grid(units_for(total));
+                let (q_buf, q4) = self.heads4(q4);
+                let (k_buf, k4) = self.heads4(k4);
+                let (v_buf, v4) = self.heads4(v4);
+                let (o_buf, o4) = self.heads4(o4);
                 // SAFETY: the views and the output lie inside the arena, the output apart from
                 // them (the planner never places an output over a live operand).
                 unsafe {
@@ -1193,11 +1337,14 @@ and {n} targets",
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        heads4(q4),
-                        heads4(k4),
-                        heads4(v4),
-                        heads4(o4),
+                        q_buf,
+                        k_buf,
+                        v_buf,
+                        o_buf,
+                        q4,
+                        k4,
+                        v4,
+                        o4,
                         attention_shape(&d),
                         total,
                     )
@@ -1231,33 +1378,57 @@ and {n} targets",
                 // three outputs are distinct and apart from the operands.
                 unsafe {
                     let (count, dim) = grid(units_for(rows));
+                    let (q_buf, q) = self.heads4(q4);
+                    let (k_buf, k) = self.heads4(k4);
+                    let (v_buf, v) = self.heads4(v4);
+                    let (g_buf, g) = self.heads4(g4);
+                    let (dq_buf, dq) = self.heads4(dq4);
+                    let (stats_buf, stats) = self.operand(scratch);
                     attention_dq_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        heads4(q4),
-                        heads4(k4),
-                        heads4(v4),
-                        heads4(g4),
-                        heads4(dq4),
-                        scratch,
+                        q_buf,
+                        k_buf,
+                        v_buf,
+                        g_buf,
+                        dq_buf,
+                        stats_buf,
+                        q,
+                        k,
+                        v,
+                        g,
+                        dq,
+                        stats,
                         attention_shape(&d),
                         rows,
                     );
                     let (count, dim) = grid(units_for(key_rows));
+                    let (q_buf, q) = self.heads4(q4);
+                    let (k_buf, k) = self.heads4(k4);
+                    let (v_buf, v) = self.heads4(v4);
+                    let (g_buf, g) = self.heads4(g4);
+                    let (dk_buf, dk) = self.heads4(dk4);
+                    let (dv_buf, dv) = self.heads4(dv4);
+                    let (stats_buf, stats) = self.operand(scratch);
                     attention_kv_backward_kernel::launch_unchecked(
                         &self.client,
                         count,
                         dim,
-                        self.buffer(),
-                        heads4(q4),
-                        heads4(k4),
-                        heads4(v4),
-                        heads4(g4),
-                        heads4(dk4),
-                        heads4(dv4),
-                        scratch,
+                        q_buf,
+                        k_buf,
+                        v_buf,
+                        g_buf,
+                        dk_buf,
+                        dv_buf,
+                        stats_buf,
+                        q,
+                        k,
+                        v,
+                        g,
+                        dk,
+                        dv,
+                        stats,
                         attention_shape(&d),
                         key_rows,
                     )
@@ -1279,11 +1450,6 @@ fn attention_shape(d: &Dims) -> AttentionShapeLaunch {
         u32::from(d.causal),
         d.scale,
     )
-}
-
-/// An attention operand as its kernels take it: offset and four strides.
-fn heads4((at, s): (usize, [usize; 4])) -> Heads4Launch {
-    Heads4Launch::new(at, s[0], s[1], s[2], s[3])
 }
 
 struct CrossEntropyOperands {

@@ -4,7 +4,9 @@
 //! which it hands out the kernel object cubecl would compile (`kernel`) and the key that tells
 //! kernels apart (`key`).
 
-use crate::shared::kernels::{copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel};
+use crate::shared::kernels::{
+    copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel, MODE_FULL,
+};
 use crate::RuntimeError;
 use cubecl::prelude::*;
 use cubecl::CubeKernel;
@@ -39,6 +41,15 @@ pub fn grid(units: u32) -> (CubeCount, CubeDim) {
     } else {
         (CubeCount::Static(units / 64, 1, 1), CubeDim::new_1d(64))
     }
+}
+
+/// A buffer an operand is bound to: its handle, its length in f32 elements, and the arena
+/// element its first element holds (0 where one buffer holds the whole arena).
+#[derive(Clone)]
+pub struct Binding {
+    pub handle: cubecl::server::Handle,
+    pub elems: usize,
+    pub base: usize,
 }
 
 /// One kernel launch, fully resolved. The scalar arguments are in the kernel's parameter order
@@ -134,12 +145,52 @@ impl KernelCall {
         }
     }
 
-    /// Elements of the bound buffer, in the kernel's element type (vectors for a map).
-    pub(crate) fn buffer_len(&self, arena_elems: usize) -> usize {
+    /// Elements of a bound buffer of `elems` f32, in the kernel's element type (vectors for a
+    /// map or a column reduction).
+    pub(crate) fn buffer_len(&self, elems: usize) -> usize {
         match self {
-            KernelCall::Map { width, .. } | KernelCall::Reduce { width, .. } => arena_elems / width,
-            KernelCall::Copy { .. } => arena_elems,
+            KernelCall::Map { width, .. } | KernelCall::Reduce { width, .. } => elems / width,
+            KernelCall::Copy { .. } => elems,
         }
+    }
+
+    /// The operands, in the kernel's binding order (a map's six inputs then its output; a copy's
+    /// or a reduction's source then its output): the index of the scalar argument holding each
+    /// one's offset, and the elements one unit of that offset counts (a vector for a map's full
+    /// inputs and output and for a column reduction, else one element). A map's unused inputs
+    /// name offset 0.
+    pub(crate) fn operands(&self) -> Vec<(usize, usize)> {
+        match self {
+            KernelCall::Map { width, modes, .. } => {
+                let mut ops: Vec<(usize, usize)> = (0..6)
+                    .map(|k| {
+                        let full = (modes >> (2 * k)) & 3 == MODE_FULL;
+                        (k as usize, if full { *width } else { 1 })
+                    })
+                    .collect();
+                ops.push((16, *width));
+                ops
+            }
+            KernelCall::Copy { .. } => vec![(12, 1), (13, 1)],
+            KernelCall::Reduce { width, .. } => vec![(10, *width), (11, *width)],
+        }
+    }
+
+    /// The call's buffers and scalar arguments with every operand bound where `locate` puts it:
+    /// `locate(e)` is the buffer holding arena element `e`, and the operand's offset becomes
+    /// one inside that buffer.
+    fn bind_operands(&self, locate: &dyn Fn(usize) -> Binding) -> (Vec<Binding>, Vec<usize>) {
+        let mut args = self.scalars().to_vec();
+        let buffers = self
+            .operands()
+            .into_iter()
+            .map(|(arg, unit)| {
+                let binding = locate(args[arg] * unit);
+                args[arg] -= binding.base / unit;
+                binding
+            })
+            .collect();
+        (buffers, args)
     }
 
     /// Every scalar argument fits the kernels' 32-bit addressing (cubecl would panic on one that
@@ -153,18 +204,19 @@ impl KernelCall {
         }
     }
 
-    /// Queues the launch through cubecl's launch path.
+    /// Queues the launch through cubecl's launch path, each operand bound to the buffer
+    /// `locate` says holds it.
     ///
     /// # Safety
-    /// Every offset the arguments name must lie inside the arena (the planner sized it).
-    pub unsafe fn dispatch(
-        &self,
-        client: &Client,
-        arena: &cubecl::server::Handle,
-        arena_elems: usize,
-    ) {
+    /// Every offset the arguments name must lie inside the buffer holding it, and every
+    /// operand must lie wholly in one buffer (the planner places them so).
+    pub unsafe fn dispatch(&self, client: &Client, locate: &dyn Fn(usize) -> Binding) {
         let (count, dim) = grid(self.units());
-        let buffer = BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems));
+        let (buffers, args) = self.bind_operands(locate);
+        // SAFETY: forwarded from the caller.
+        let arg = |k: usize| unsafe {
+            BufferArg::from_raw_parts(buffers[k].handle.clone(), self.buffer_len(buffers[k].elems))
+        };
         // SAFETY: forwarded from the caller.
         unsafe {
             match self {
@@ -173,16 +225,28 @@ impl KernelCall {
                     units: _,
                     modes,
                     expr,
-                    args,
+                    ..
                 } => spread!(
                     map_kernel::launch_unchecked,
-                    [client, count, dim, *width, buffer],
+                    [
+                        client,
+                        count,
+                        dim,
+                        *width,
+                        arg(0),
+                        arg(1),
+                        arg(2),
+                        arg(3),
+                        arg(4),
+                        arg(5),
+                        arg(6)
+                    ],
                     args[0..18],
                     [*modes, expr.clone()]
                 ),
-                KernelCall::Copy { args, .. } => spread!(
+                KernelCall::Copy { .. } => spread!(
                     copy_kernel::launch_unchecked,
-                    [client, count, dim, buffer],
+                    [client, count, dim, arg(0), arg(1)],
                     args[0..14],
                     []
                 ),
@@ -191,10 +255,10 @@ impl KernelCall {
                     units: _,
                     is_max,
                     rows,
-                    args,
+                    ..
                 } => spread!(
                     reduce_kernel::launch_unchecked,
-                    [client, count, dim, buffer],
+                    [client, count, dim, arg(0), arg(1)],
                     args[0..12],
                     [*is_max, *rows]
                 ),
@@ -202,11 +266,10 @@ impl KernelCall {
                     width,
                     units: _,
                     is_max,
-                    args,
                     ..
                 } => spread!(
                     reduce_cols_kernel::launch_unchecked,
-                    [client, count, dim, *width, buffer],
+                    [client, count, dim, *width, arg(0), arg(1)],
                     args[0..12],
                     [*is_max]
                 ),
@@ -228,9 +291,10 @@ impl KernelCall {
             client.target_properties_shared(),
         );
         let count = CubeCount::Static(1, 1, 1);
-        // SAFETY: the buffer is only used to compile the kernel; nothing is launched with it.
+        // SAFETY: the buffers are only used to compile the kernel; nothing is launched with
+        // them.
         let buffer =
-            unsafe { BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems)) };
+            || unsafe { BufferArg::from_raw_parts(arena.clone(), self.buffer_len(arena_elems)) };
         match self {
             KernelCall::Map {
                 width,
@@ -246,14 +310,27 @@ impl KernelCall {
                     count,
                     CubeDim::new_1d(*units),
                     *width,
-                    buffer
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer()
                 ],
                 args[0..18],
                 [*modes, expr.clone()]
             )),
             KernelCall::Copy { units, args } => Box::new(spread!(
                 copy_kernel::create_dummy_kernel,
-                [props, target, count, CubeDim::new_1d(*units), buffer],
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    buffer(),
+                    buffer()
+                ],
                 args[0..14],
                 []
             )),
@@ -265,7 +342,14 @@ impl KernelCall {
                 args,
             } => Box::new(spread!(
                 reduce_kernel::create_dummy_kernel,
-                [props, target, count, CubeDim::new_1d(*units), buffer],
+                [
+                    props,
+                    target,
+                    count,
+                    CubeDim::new_1d(*units),
+                    buffer(),
+                    buffer()
+                ],
                 args[0..12],
                 [*is_max, *rows]
             )),
@@ -283,7 +367,8 @@ impl KernelCall {
                     count,
                     CubeDim::new_1d(*units),
                     *width,
-                    buffer
+                    buffer(),
+                    buffer()
                 ],
                 args[0..12],
                 [*is_max]

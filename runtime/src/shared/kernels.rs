@@ -40,6 +40,34 @@ fn pick(
     }
 }
 
+/// Element `at` of input `k`'s binding.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn read<N: Size>(
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    at: usize,
+    #[comptime] k: u32,
+) -> Vector<f32, N> {
+    if comptime!(k == 0) {
+        x0[at]
+    } else if comptime!(k == 1) {
+        x1[at]
+    } else if comptime!(k == 2) {
+        x2[at]
+    } else if comptime!(k == 3) {
+        x3[at]
+    } else if comptime!(k == 4) {
+        x4[at]
+    } else {
+        x5[at]
+    }
+}
+
 /// Access modes of a map input, two bits each in the `modes` comptime argument (see
 /// `graphtrain_lowering::Access`).
 pub const MODE_FULL: u32 = 0;
@@ -100,7 +128,12 @@ pub struct MapArgs {
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
     args: &MapArgs,
     i: usize,
     row: usize,
@@ -112,9 +145,11 @@ fn load<N: Size>(
     let mode = comptime!((modes >> (2 * k)) & 3);
     let on_row = comptime!((modes >> (ON_ROW_SHIFT + k)) & 1 == 1);
     if comptime!(mode == MODE_FULL) {
-        arena[o + i]
+        read::<N>(x0, x1, x2, x3, x4, x5, o + i, k)
     } else if comptime!(mode == MODE_SCALAR) {
-        Vector::<f32, N>::new(arena[o >> args.shift].extract_dynamic(o & args.mask))
+        Vector::<f32, N>::new(
+            read::<N>(x0, x1, x2, x3, x4, x5, o >> args.shift, k).extract_dynamic(o & args.mask),
+        )
     } else if comptime!(mode == MODE_OUTER) {
         // Every lane of the vector maps to the same source element (inner % w == 0).
         let mut e = o + row;
@@ -122,7 +157,9 @@ fn load<N: Size>(
             let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
             e = o + (args.base + i * args.w) / p;
         }
-        Vector::<f32, N>::new(arena[e >> args.shift].extract_dynamic(e & args.mask))
+        Vector::<f32, N>::new(
+            read::<N>(x0, x1, x2, x3, x4, x5, e >> args.shift, k).extract_dynamic(e & args.mask),
+        )
     } else {
         // The lanes map to consecutive source elements (period % w == 0).
         let mut e = o + col;
@@ -130,7 +167,7 @@ fn load<N: Size>(
             let p = pick(args.p0, args.p1, args.p2, args.p3, args.p4, args.p5, k);
             e = o + (args.base + i * args.w) % p;
         }
-        arena[e >> args.shift]
+        read::<N>(x0, x1, x2, x3, x4, x5, e >> args.shift, k)
     }
 }
 
@@ -190,7 +227,12 @@ fn float_bits(#[comptime] bits: u32, seed: usize) -> f32 {
 /// The value of `e`, each op's result guarded when `modes` has `GUARD_OPS`.
 #[cube]
 fn eval<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
     args: &MapArgs,
     i: usize,
     row: usize,
@@ -199,7 +241,7 @@ fn eval<N: Size>(
     #[comptime] e: Expr,
 ) -> Vector<f32, N> {
     let leaf = comptime!(matches!(e, Expr::Input(_) | Expr::Const(_)));
-    let x = eval_op::<N>(arena, args, i, row, col, modes, e);
+    let x = eval_op::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, e);
     if comptime!(modes & GUARD_OPS != 0 && !leaf) {
         guard::<N>(x, args)
     } else {
@@ -209,7 +251,12 @@ fn eval<N: Size>(
 
 #[cube]
 fn eval_op<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
     args: &MapArgs,
     i: usize,
     row: usize,
@@ -218,10 +265,10 @@ fn eval_op<N: Size>(
     #[comptime] e: Expr,
 ) -> Vector<f32, N> {
     match e {
-        Expr::Input(k) => load::<N>(arena, args, i, row, col, k, modes),
+        Expr::Input(k) => load::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, k, modes),
         Expr::Const(bits) => Vector::<f32, N>::new(float_bits(bits, args.w)),
         Expr::Unary(op, a) => {
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
             let one = Vector::<f32, N>::new(1.0);
             match op {
                 UnaryOp::Neg => -x,
@@ -240,8 +287,8 @@ fn eval_op<N: Size>(
             }
         }
         Expr::Binary(op, a, b) => {
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
-            let y = eval::<N>(arena, args, i, row, col, modes, *b);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
+            let y = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *b);
             match op {
                 BinaryOp::Add => x + y,
                 BinaryOp::Sub => x - y,
@@ -253,8 +300,8 @@ fn eval_op<N: Size>(
             }
         }
         Expr::Compare(op, a, b) => {
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
-            let y = eval::<N>(arena, args, i, row, col, modes, *b);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
+            let y = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *b);
             let one = Vector::<f32, N>::new(1.0);
             let zero = Vector::<f32, N>::new(0.0);
             let c = match op {
@@ -268,14 +315,16 @@ fn eval_op<N: Size>(
             select_many(c, one, zero)
         }
         Expr::Select(c, a, b) => {
-            let cv = eval::<N>(arena, args, i, row, col, modes, *c);
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
-            let y = eval::<N>(arena, args, i, row, col, modes, *b);
+            let cv = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *c);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
+            let y = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *b);
             select_many(cv.not_equal(&Vector::<f32, N>::new(0.0)), x, y)
         }
-        Expr::Trunc(a) => Vector::trunc(eval::<N>(arena, args, i, row, col, modes, *a)),
+        Expr::Trunc(a) => Vector::trunc(eval::<N>(
+            x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a,
+        )),
         Expr::NonZero(a) => {
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
             let zero = Vector::<f32, N>::new(0.0);
             select_many(x.not_equal(&zero), Vector::<f32, N>::new(1.0), zero)
         }
@@ -283,7 +332,7 @@ fn eval_op<N: Size>(
             // As `graphtrain_ir::host_tensor::round_bf16`: adding 0x7FFF plus the lowest kept
             // bit carries into the kept bits exactly when the dropped half is above one half, or
             // one half with an odd kept part; NaN passes through.
-            let x = eval::<N>(arena, args, i, row, col, modes, *a);
+            let x = eval::<N>(x0, x1, x2, x3, x4, x5, args, i, row, col, modes, *a);
             let bits = Vector::<u32, N>::reinterpret(x);
             let kept_low = (bits >> Vector::<u32, N>::new(16)) & Vector::<u32, N>::new(1);
             let rounded = (bits + Vector::<u32, N>::new(32767) + kept_low)
@@ -298,7 +347,13 @@ fn eval_op<N: Size>(
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn map_kernel<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
     o0: usize,
     o1: usize,
     o2: usize,
@@ -339,18 +394,24 @@ pub fn map_kernel<N: Size>(
         mask: w - 1,
     };
     if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0 && modes & REDUCE_OUTER != 0) {
-        map_reduce_outer::<N>(arena, &args, l, out, len, modes, expr);
+        map_reduce_outer::<N>(x0, x1, x2, x3, x4, x5, y, &args, l, out, len, modes, expr);
     } else if comptime!(modes & (REDUCE_SUM | REDUCE_MAX) != 0) {
-        map_reduce::<N>(arena, &args, l, out, len, modes, expr);
+        map_reduce::<N>(x0, x1, x2, x3, x4, x5, y, &args, l, out, len, modes, expr);
     } else {
-        map_store::<N>(arena, &args, l, out, len, modes, expr);
+        map_store::<N>(x0, x1, x2, x3, x4, x5, y, &args, l, out, len, modes, expr);
     }
 }
 
 /// The body of `map_kernel` without `REDUCE_*`.
 #[cube]
 fn map_store<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
     args: &MapArgs,
     l: usize,
     out: usize,
@@ -372,7 +433,20 @@ fn map_store<N: Size>(
         col = pos % l;
     }
     for i in span.start..span.end {
-        arena[out + i] = eval::<N>(arena, args, i, row, col, modes, expr.clone());
+        y[out + i] = eval::<N>(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            args,
+            i,
+            row,
+            col,
+            modes,
+            expr.clone(),
+        );
         if comptime!(rowed) {
             col += w;
             if col == l {
@@ -393,7 +467,13 @@ fn map_store<N: Size>(
 /// equal a map followed by a reduce.
 #[cube]
 fn map_reduce<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
     args: &MapArgs,
     l: usize,
     out: usize,
@@ -419,7 +499,12 @@ fn map_reduce<N: Size>(
         for b in 0..blocks {
             let j = b * 8;
             let x = eval::<N>(
-                arena,
+                x0,
+                x1,
+                x2,
+                x3,
+                x4,
+                x5,
                 args,
                 (first + j) >> args.shift,
                 o,
@@ -430,7 +515,12 @@ fn map_reduce<N: Size>(
             lo = combine_vec::<N>(lo, x, is_max);
             if comptime!(halves) {
                 let y = eval::<N>(
-                    arena,
+                    x0,
+                    x1,
+                    x2,
+                    x3,
+                    x4,
+                    x5,
                     args,
                     (first + j + 4) >> args.shift,
                     o,
@@ -467,9 +557,9 @@ fn map_reduce<N: Size>(
             combine(low, high, is_max)
         };
         let v = out + (o >> args.shift);
-        let mut packed = arena[v];
+        let mut packed = y[v];
         packed.insert_dynamic(o & args.mask, r);
-        arena[v] = packed;
+        y[v] = packed;
     }
 }
 
@@ -490,7 +580,13 @@ const OUTER_GROUP: usize = 8;
 /// (docs/benchmarks.md). Each lane still adds its rows in order, so the bits are unchanged.
 #[cube]
 fn map_reduce_outer<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
     args: &MapArgs,
     l: usize,
     out: usize,
@@ -518,7 +614,12 @@ fn map_reduce_outer<N: Size>(
             for j in 0..OUTER_GROUP {
                 let v = v0 + j;
                 let x = eval::<N>(
-                    arena,
+                    x0,
+                    x1,
+                    x2,
+                    x3,
+                    x4,
+                    x5,
                     args,
                     r * row_vectors + v,
                     r,
@@ -531,7 +632,7 @@ fn map_reduce_outer<N: Size>(
         }
         #[unroll]
         for j in 0..OUTER_GROUP {
-            arena[out + v0 + j] = acc[j];
+            y[out + v0 + j] = acc[j];
         }
         v0 += OUTER_GROUP;
     }
@@ -539,7 +640,12 @@ fn map_reduce_outer<N: Size>(
         let mut acc = init;
         for r in 0..len {
             let x = eval::<N>(
-                arena,
+                x0,
+                x1,
+                x2,
+                x3,
+                x4,
+                x5,
                 args,
                 r * row_vectors + v,
                 r,
@@ -549,7 +655,7 @@ fn map_reduce_outer<N: Size>(
             );
             acc = combine_vec::<N>(acc, x, is_max);
         }
-        arena[out + v] = acc;
+        y[out + v] = acc;
     }
 }
 
@@ -559,7 +665,8 @@ fn map_reduce_outer<N: Size>(
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_kernel(
-    arena: &mut [f32],
+    x: &mut [f32],
+    y: &mut [f32],
     len: usize,
     n1: usize,
     n2: usize,
@@ -585,7 +692,7 @@ pub fn copy_kernel(
         let sb = src + i0 * s0 + i1 * s1 + i2 * s2;
         let tb = dst + i0 * t0 + i1 * t1 + i2 * t2;
         for j in 0..n3 {
-            arena[tb + j * t3] = arena[sb + j * s3];
+            y[tb + j * t3] = x[sb + j * s3];
         }
     }
 }
@@ -610,7 +717,8 @@ fn combine(acc: f32, x: f32, #[comptime] is_max: bool) -> f32 {
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_kernel(
-    arena: &mut [f32],
+    x: &mut [f32],
+    y: &mut [f32],
     len: usize,
     n1: usize,
     n2: usize,
@@ -651,29 +759,29 @@ pub fn reduce_kernel(
             let blocks = m1 / 8;
             for b in 0..blocks {
                 let j = base + b * 8;
-                p0 = combine(p0, arena[j], is_max);
-                p1 = combine(p1, arena[j + 1], is_max);
-                p2 = combine(p2, arena[j + 2], is_max);
-                p3 = combine(p3, arena[j + 3], is_max);
-                p4 = combine(p4, arena[j + 4], is_max);
-                p5 = combine(p5, arena[j + 5], is_max);
-                p6 = combine(p6, arena[j + 6], is_max);
-                p7 = combine(p7, arena[j + 7], is_max);
+                p0 = combine(p0, x[j], is_max);
+                p1 = combine(p1, x[j + 1], is_max);
+                p2 = combine(p2, x[j + 2], is_max);
+                p3 = combine(p3, x[j + 3], is_max);
+                p4 = combine(p4, x[j + 4], is_max);
+                p5 = combine(p5, x[j + 5], is_max);
+                p6 = combine(p6, x[j + 6], is_max);
+                p7 = combine(p7, x[j + 7], is_max);
             }
             let low = combine(combine(p0, p1, is_max), combine(p2, p3, is_max), is_max);
             let high = combine(combine(p4, p5, is_max), combine(p6, p7, is_max), is_max);
             acc = combine(low, high, is_max);
             for j in blocks * 8..m1 {
-                acc = combine(acc, arena[base + j], is_max);
+                acc = combine(acc, x[base + j], is_max);
             }
         } else {
             for a in 0..m0 {
                 for b in 0..m1 {
-                    acc = combine(acc, arena[base + a * q0 + b * q1], is_max);
+                    acc = combine(acc, x[base + a * q0 + b * q1], is_max);
                 }
             }
         }
-        arena[out + o] = acc;
+        y[out + o] = acc;
     }
 }
 
@@ -698,7 +806,8 @@ fn combine_vec<N: Size>(
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_cols_kernel<N: Size>(
-    arena: &mut [Vector<f32, N>],
+    x: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
     len: usize,
     n1: usize,
     n2: usize,
@@ -728,9 +837,9 @@ pub fn reduce_cols_kernel<N: Size>(
         let mut acc = init;
         for a in 0..m0 {
             for b in 0..m1 {
-                acc = combine_vec::<N>(acc, arena[base + a * q0 + b * q1], is_max);
+                acc = combine_vec::<N>(acc, x[base + a * q0 + b * q1], is_max);
             }
         }
-        arena[out + o] = acc;
+        y[out + o] = acc;
     }
 }
