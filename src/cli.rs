@@ -2396,6 +2396,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             0 => String::new(),
             b => format!("; {:.2}MiB offloaded to host memory", b as f64 / MIB),
         };
+        // A device whose buffers hold less than the arena holds it in windows (one buffer each).
+        let host = match p.plan.window {
+            Some(w) => format!(
+                "; in {} device buffers of at most {:.2}MiB{host}",
+                p.plan.arena_bytes.div_ceil(w),
+                w as f64 / MIB
+            ),
+            None => host,
+        };
         say!(
             "lowered ({:?}): {}; arena {:.2}MiB (liveness lower bound {:.2}MiB){host}",
             p.mode,

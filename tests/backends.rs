@@ -1422,6 +1422,63 @@ fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu(
     }
 }
 
+/// Rows longer than lavapipe's loop budget (llvmpipe leaves every loop of a kernel unit after
+/// 65535 trips in all, silently: a 131,072-element copy kept 65,535 elements, a 600,000-element
+/// sum stopped at 524,280): a copy cut into short rows and sums taking four blocks per trip stay
+/// inside it, on every lowering; a sum that would still take more is refused when the program
+/// loads, naming the limit, where the device has one (and computed where it has none).
+#[test]
+fn long_rows_stay_inside_the_devices_loop_budget_or_are_refused() {
+    let src = |n: usize| {
+        format!(
+            "graph g {{
+  input %x: f32[{n}]
+  %1: f32[1,{n}] = reshape(%x, shape=[1,{n}])
+  %2: f32[] = reduce_sum(%x, axes=[0], keepdim=false)
+  %3: f32[{n}] = mul(%x, %x)
+  %4: f32[] = reduce_sum(%3, axes=[0], keepdim=false)
+  output copy = %1
+  output sum = %2
+  output squares = %4
+}}"
+        )
+    };
+    for backend in device_backends() {
+        for n in [70_000, 1_048_576] {
+            let g = text::parse(&src(n)).unwrap();
+            let inputs = random_inputs(&g, 0);
+            let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+            for mode in [Mode::Eager, Mode::Fused] {
+                let got = run_once(&g, backend, mode, &inputs)
+                    .unwrap_or_else(|e| panic!("{backend} {mode:?}, {n} elements: {e}"));
+                assert_outputs(
+                    &format!("{backend} {mode:?}, {n} elements"),
+                    &output_names(&g),
+                    &got,
+                    &want,
+                    Agree::Relative(1e-4),
+                );
+            }
+        }
+        let g = text::parse(&src(3_000_000)).unwrap();
+        let inputs = random_inputs(&g, 0);
+        match run_once(&g, backend, Mode::Eager, &inputs) {
+            Err(e) => assert!(
+                e.to_string().contains("loop trips in one kernel unit")
+                    && e.to_string().contains("(llvmpipe's limit)"),
+                "{e}"
+            ),
+            Ok(got) => assert_outputs(
+                &format!("{backend}, 3,000,000 elements on a device without a loop budget"),
+                &output_names(&g),
+                &got,
+                &run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap(),
+                Agree::Relative(1e-4),
+            ),
+        }
+    }
+}
+
 /// The device backends' two matmul kernels: the tiled one (16 x 16 outputs per cube, operands
 /// staged in shared memory; the default on `cuda`) against the interpreter, and bit for bit
 /// against the one-unit-per-output kernel (each sums `k` in index order), on products smaller

@@ -303,3 +303,17 @@ pub fn scatter_add_kernel(
         e += units;
     }
 }
+
+/// Takes `n` loop trips and writes how many it took into `out[at]`: a device that leaves
+/// shader loops early (llvmpipe, after 65535 trips: `shared::kernels::LOOP_BUDGET`) writes
+/// fewer. The count is a float, exact up to 2^24.
+#[cube(launch_unchecked)]
+pub fn loop_probe_kernel(out: &mut [f32], at: usize, n: usize) {
+    if ABSOLUTE_POS == 0 {
+        let mut trips = 0usize;
+        while trips < n {
+            trips += 1;
+        }
+        out[at] = f32::cast_from(trips);
+    }
+}

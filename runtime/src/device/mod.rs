@@ -213,6 +213,9 @@ pub struct DeviceExecutor {
     arena_measured: u64,
     /// Matmuls launch `matmul_tiled_kernel` (else `matmul_kernel`).
     tiled_matmul: bool,
+    /// The loop trips a unit may take before the device leaves its loops early (llvmpipe's
+    /// 65535), measured at load; `None` where a probe past that ran to its end.
+    loop_budget: Option<usize>,
     /// The capture regions' segments recorded as device graphs (`graphs.rs`); empty with
     /// `DeviceGraphs::Off`.
     segments: Vec<graphs::Segment>,
@@ -341,6 +344,7 @@ at most {} (the buffer plan: {single})",
                 DeviceMatmul::PerOutput => false,
                 DeviceMatmul::Auto => kind == DeviceKind::Cuda,
             },
+            loop_budget: None,
             segments: Vec::new(),
             graph_thread: None,
             write_checks: HashMap::new(),
@@ -358,6 +362,21 @@ at most {} (the buffer plan: {single})",
                 _ => None,
             })
             .collect();
+        exec.loop_budget = exec.probe_loop_budget()?;
+        if let Some(budget) = exec.loop_budget {
+            for (i, step) in exec.program.steps.iter().enumerate() {
+                let trips = exec.loop_trips(step)?;
+                if trips > budget {
+                    return Err(RuntimeError::Unavailable(format!(
+                        "step {i} ({}) takes up to {trips} loop trips in one kernel unit, and this \
+{} device leaves a shader's loops after {budget} (llvmpipe's limit), which would give a wrong \
+answer: a smaller shape (batch, sequence, vocabulary), or a GPU",
+                        step.kind(),
+                        kind.name()
+                    )));
+                }
+            }
+        }
         exec.write_checks = index_checks::plan(&exec.program);
         exec.checked_on_write = exec
             .write_checks
@@ -488,6 +507,84 @@ is split across {} (device_collectives=host moves collectives through host memor
         Err(RuntimeError::Unavailable(
             "NCCL collectives need graphtrain built with `--features cuda`".to_string(),
         ))
+    }
+
+    /// The loop trips a unit of this device takes before its loops are left early, or `None`
+    /// when a probe of one more than llvmpipe's limit runs to its end. One launch and one read
+    /// of the index-check flag's slot, at load.
+    fn probe_loop_budget(&self) -> Result<Option<usize>, RuntimeError> {
+        let want = crate::shared::kernels::LOOP_BUDGET + 1;
+        let (buffer, at) = self.operand(self.len);
+        // SAFETY: the flag's slot lies inside its buffer.
+        unsafe {
+            kernels::loop_probe_kernel::launch_unchecked(
+                &self.client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(1),
+                buffer,
+                at,
+                want,
+            )
+        };
+        let trips = self.read_floats(self.len, 1)?[0] as usize;
+        self.write_floats(self.len, &[0.0]);
+        Ok((trips < want).then_some(trips))
+    }
+
+    /// At most how many loop trips one unit of `step`'s launches takes, every loop of the
+    /// kernel counted (`KernelCall::loop_trips` for the shared kernels; the loops of
+    /// `kernels.rs` and `composites.rs` here). Steps that launch nothing count 0.
+    fn loop_trips(&self, step: &Step) -> Result<usize, RuntimeError> {
+        let launches = Launches {
+            program: &self.program,
+            grid: DEVICE_GRID,
+        };
+        if let Some(calls) = launches.kernel_calls(step)? {
+            return Ok(calls.iter().map(|c| c.loop_trips()).max().unwrap_or(0));
+        }
+        let g = &self.program.graph;
+        // A unit's share of `work` outputs taken a grid-stride apart.
+        let share = |work: usize| work.div_ceil(units_for(work) as usize);
+        Ok(match step {
+            Step::Matmul { k, .. } if self.tiled_matmul => k.div_ceil(16) * 17,
+            Step::Matmul { batch, m, n, k, .. } => share(batch * m * n) * (k + 1),
+            Step::Gather { index, .. } => share(g.ty(*index).numel()),
+            Step::ScatterAdd { src, index, .. } => {
+                let along = g.ty(*index).shape.iter().copied().max().unwrap_or(0);
+                share(g.ty(*src).numel()) * (along + 1)
+            }
+            Step::CrossEntropy { logits, .. } | Step::CrossEntropyBackward { logits, .. } => {
+                let rows = logits.shape.first().copied().unwrap_or(0);
+                let cols = logits.shape.get(1).copied().unwrap_or(0);
+                // The rows' statistics (two passes over a row), then the mean over the rows.
+                (share(rows) * (2 * cols + 2)).max(rows + 1)
+            }
+            Step::Attention { q, k, causal, .. } | Step::AttentionBackward { q, k, causal, .. } => {
+                let d = attention_dims(q, k, *causal, 1.0)?;
+                let (s, hd) = (d.seq, d.head_dim);
+                let rows = d.batch * d.heads * s;
+                // Per query row: the softmax's pass over the keys, then one or two more, each
+                // key a dot product over the head; per key row, its group's query rows.
+                let forward = share(rows) * (s * (3 * hd + 2) + 2 * hd);
+                match step {
+                    Step::Attention { .. } => forward,
+                    _ => {
+                        let group = d.heads / d.kv_heads.max(1);
+                        let queries = share(rows) * (s * (6 * hd + 3) + 2 * hd);
+                        let keys =
+                            share(d.batch * d.kv_heads * s) * (group * s * (3 * hd + 1) + hd);
+                        queries.max(keys)
+                    }
+                }
+            }
+            Step::Rope { x, .. } => share(x.shape.iter().product::<usize>() / 2),
+            Step::AdamW { updates, .. } => updates
+                .iter()
+                .map(|u| share(g.ty(u.p).numel()))
+                .max()
+                .unwrap_or(0),
+            _ => 0,
+        })
     }
 
     /// Waits for every queued launch.

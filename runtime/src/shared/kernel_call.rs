@@ -5,7 +5,8 @@
 //! kernels apart (`key`).
 
 use crate::shared::kernels::{
-    copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel, MODE_FULL,
+    copy_kernel, map_kernel, reduce_cols_kernel, reduce_kernel, MODE_FULL, REDUCE_MAX,
+    REDUCE_OUTER, REDUCE_SUM,
 };
 use crate::RuntimeError;
 use cubecl::prelude::*;
@@ -191,6 +192,47 @@ impl KernelCall {
             })
             .collect();
         (buffers, args)
+    }
+
+    /// At most how many loop trips one unit of this launch takes (every loop of the kernel
+    /// counted, as llvmpipe counts them: `kernels::LOOP_BUDGET`). An upper bound, from the
+    /// kernels' loops in `kernels.rs`.
+    pub fn loop_trips(&self) -> usize {
+        let units = self.units().max(1) as usize;
+        // A unit's share of `n` items, in whole multiples of `m` (`unit_span`).
+        let share = |n: usize, m: usize| n.div_ceil(units).div_ceil(m) * m;
+        match self {
+            KernelCall::Map {
+                width, modes, args, ..
+            } => {
+                let (l, len) = (args[15], args[17]);
+                if modes & (REDUCE_SUM | REDUCE_MAX) == 0 {
+                    share(len, 1)
+                } else if modes & REDUCE_OUTER != 0 {
+                    // Groups of `OUTER_GROUP` output vectors, then one pass per leftover.
+                    let span = share(l / width, 1);
+                    (span / 8 + 8) * (len + 1)
+                } else {
+                    // Four blocks of eight per trip, then up to three more.
+                    share(len, *width) * (l / 32 + 4)
+                }
+            }
+            KernelCall::Copy { args, .. } => {
+                let (len, n3) = (args[0], args[3].max(1));
+                share(len / n3, 1) * (n3 + 1)
+            }
+            KernelCall::Reduce {
+                width, rows, args, ..
+            } => {
+                let (len, m0, m1) = (args[0], args[6], args[7]);
+                let per_output = if *width == 1 && *rows {
+                    m1 / 32 + 4 + 8
+                } else {
+                    m0 * (m1 + 1)
+                };
+                share(len, 1) * per_output
+            }
+        }
     }
 
     /// Every scalar argument fits the kernels' 32-bit addressing (cubecl would panic on one that

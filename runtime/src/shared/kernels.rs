@@ -68,6 +68,15 @@ fn read<N: Size>(
     }
 }
 
+/// Loop trips one kernel unit may take on lavapipe: llvmpipe (the CPU Vulkan driver the device
+/// backends are tested on) counts the trips of every loop of a shader invocation against one
+/// budget of 65535 and leaves the loops, without a word, when it runs out (a 131,072-element
+/// copy in one unit kept 65,535 elements; a 600,000-element sum, 524,280). So kernels keep a
+/// unit's trips low: a copy's rows are cut short (`launches.rs`), the row reductions take four
+/// blocks of eight per trip, and the device executor refuses, on llvmpipe, a launch that would
+/// still take more (`device::loop_trips`).
+pub const LOOP_BUDGET: usize = 65535;
+
 /// Access modes of a map input, two bits each in the `modes` comptime argument (see
 /// `graphtrain_lowering::Access`).
 pub const MODE_FULL: u32 = 0;
@@ -492,11 +501,53 @@ fn map_reduce<N: Size>(
         f32::new(0.0)
     };
     let blocks = l / 8;
+    // Four blocks per trip, then the rest: the same elements in the same order as one block per
+    // trip, in a quarter of the loop trips (`LOOP_BUDGET`).
+    let quads = blocks / 4;
     for o in span.start..span.end {
         let first = o * l;
         let mut lo = Vector::<f32, N>::new(init);
         let mut hi = Vector::<f32, N>::new(init);
-        for b in 0..blocks {
+        for q in 0..quads {
+            #[unroll]
+            for u in 0..4 {
+                let b = q * 4 + u;
+                let j = b * 8;
+                let x = eval::<N>(
+                    x0,
+                    x1,
+                    x2,
+                    x3,
+                    x4,
+                    x5,
+                    args,
+                    (first + j) >> args.shift,
+                    o,
+                    j,
+                    modes,
+                    expr.clone(),
+                );
+                lo = combine_vec::<N>(lo, x, is_max);
+                if comptime!(halves) {
+                    let y = eval::<N>(
+                        x0,
+                        x1,
+                        x2,
+                        x3,
+                        x4,
+                        x5,
+                        args,
+                        (first + j + 4) >> args.shift,
+                        o,
+                        j + 4,
+                        modes,
+                        expr.clone(),
+                    );
+                    hi = combine_vec::<N>(hi, y, is_max);
+                }
+            }
+        }
+        for b in quads * 4..blocks {
             let j = b * 8;
             let x = eval::<N>(
                 x0,
@@ -757,7 +808,23 @@ pub fn reduce_kernel(
             let mut p6 = init;
             let mut p7 = init;
             let blocks = m1 / 8;
-            for b in 0..blocks {
+            // Four blocks per trip, then the rest, as in `map_reduce`.
+            let quads = blocks / 4;
+            for q in 0..quads {
+                #[unroll]
+                for u in 0..4 {
+                    let j = base + (q * 4 + u) * 8;
+                    p0 = combine(p0, x[j], is_max);
+                    p1 = combine(p1, x[j + 1], is_max);
+                    p2 = combine(p2, x[j + 2], is_max);
+                    p3 = combine(p3, x[j + 3], is_max);
+                    p4 = combine(p4, x[j + 4], is_max);
+                    p5 = combine(p5, x[j + 5], is_max);
+                    p6 = combine(p6, x[j + 6], is_max);
+                    p7 = combine(p7, x[j + 7], is_max);
+                }
+            }
+            for b in quads * 4..blocks {
                 let j = base + b * 8;
                 p0 = combine(p0, x[j], is_max);
                 p1 = combine(p1, x[j + 1], is_max);

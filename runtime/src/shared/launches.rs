@@ -13,6 +13,9 @@ use graphtrain_ir::ValueId;
 use graphtrain_lowering::program::collapse;
 use graphtrain_lowering::{Access, Program, ReduceKind, ReduceOver, Step, View};
 
+/// The longest row a copy unit takes (see `copy_calls`).
+const COPY_ROW: usize = 4096;
+
 /// How a backend splits kernels.
 #[derive(Clone, Copy, Debug)]
 pub struct Grid {
@@ -289,6 +292,25 @@ impl Launches<'_> {
         dst: usize,
         calls: &mut Vec<KernelCall>,
     ) {
+        // A unit copies whole rows of the innermost dim: a long one is cut into rows of
+        // `COPY_ROW`, the rest of it copied by a call of its own, so that the units share the
+        // work (a contiguous copy is one row) and none loops past lavapipe's limit (see
+        // `kernels::LOOP_BUDGET`).
+        if let Some((n, st)) = dims.last().filter(|(n, _)| *n > COPY_ROW) {
+            let (rows, rest) = (n / COPY_ROW, n % COPY_ROW);
+            let outer = &dims[..dims.len() - 1];
+            let mut cut = outer.to_vec();
+            cut.push((rows, vec![st[0] * COPY_ROW, st[1] * COPY_ROW]));
+            cut.push((COPY_ROW, st.clone()));
+            self.copy_calls(&cut, src, dst, calls);
+            if rest > 0 {
+                let mut tail = outer.to_vec();
+                tail.push((rest, st.clone()));
+                let done = rows * COPY_ROW;
+                self.copy_calls(&tail, src + done * st[0], dst + done * st[1], calls);
+            }
+            return;
+        }
         if dims.len() > 4 {
             let (n, st) = &dims[0];
             for i in 0..*n {
