@@ -565,14 +565,14 @@ is split across {} (device_collectives=host moves collectives through host memor
                 let rows = d.batch * d.heads * s;
                 // Per query row: the softmax's pass over the keys, then one or two more, each
                 // key a dot product over the head; per key row, its group's query rows.
-                let forward = share(rows) * (s * (3 * hd + 2) + 2 * hd);
+                let forward = share(rows) * (1 + s * (3 * hd + 2) + 2 * hd);
                 match step {
                     Step::Attention { .. } => forward,
                     _ => {
                         let group = d.heads / d.kv_heads.max(1);
-                        let queries = share(rows) * (s * (6 * hd + 3) + 2 * hd);
-                        let keys =
-                            share(d.batch * d.kv_heads * s) * (group * s * (3 * hd + 1) + hd);
+                        let queries = share(rows) * (1 + s * (6 * hd + 3) + 2 * hd);
+                        let keys = share(d.batch * d.kv_heads * s)
+                            * (1 + group * (s * (3 * hd + 1) + 1) + 2 * hd);
                         queries.max(keys)
                     }
                 }

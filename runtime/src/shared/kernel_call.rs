@@ -225,10 +225,11 @@ impl KernelCall {
                 width, rows, args, ..
             } => {
                 let (len, m0, m1) = (args[0], args[6], args[7]);
+                // Each output's own trip, and its loops'.
                 let per_output = if *width == 1 && *rows {
-                    m1 / 32 + 4 + 8
+                    1 + m1 / 32 + 3 + 7
                 } else {
-                    m0 * (m1 + 1)
+                    1 + m0 * (m1 + 1)
                 };
                 share(len, 1) * per_output
             }
