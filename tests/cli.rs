@@ -154,6 +154,64 @@ fn run_trains_on_wgpu() {
     assert!(out.contains("step:  2 loss:"), "{out}");
 }
 
+/// `GRAPHTRAIN_DEVICE_BUFFER_MIB` below the arena splits it across device buffers, which
+/// `run` says, and the step lines are those of the arena in one buffer; a value that is not a
+/// positive number of MiB is refused, naming the variable.
+#[test]
+fn a_device_buffer_limit_splits_the_arena_and_trains_the_same() {
+    if graphtrain::gate::device_backends_for_tests().is_empty() {
+        return;
+    }
+    // A 5.3 MiB arena.
+    let cfg = temp_file(
+        "wide.ron",
+        "(dim: 256, n_layers: 1, n_heads: 4, n_kv_heads: 4, vocab_size: 64, ffn_hidden: 48,
+          rope_theta: 10000.0, rope_layout: Half, norm_eps: 1e-5, batch: 2, seq_len: 16,
+          tied_embeddings: false)",
+    );
+    let run = |limit: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_graphtrain"));
+        c.args(["run", "--config", cfg.to_str().unwrap()]).args([
+            "--backend",
+            "wgpu",
+            "--steps",
+            "2",
+        ]);
+        if let Some(mib) = limit {
+            c.env("GRAPHTRAIN_DEVICE_BUFFER_MIB", mib);
+        }
+        c.output().expect("the binary runs")
+    };
+    let steps = |o: &Output| -> Vec<String> {
+        assert!(o.status.success(), "{}", stderr(o));
+        let out = stdout(o);
+        let lines: Vec<String> = out
+            .lines()
+            .filter(|l| l.starts_with("step:"))
+            .map(|l| l.split(" memory:").next().unwrap().to_string())
+            .collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        lines
+    };
+    let whole = run(None);
+    assert!(
+        !stdout(&whole).contains("device buffers"),
+        "{}",
+        stdout(&whole)
+    );
+    let split = run(Some("2"));
+    assert!(
+        stdout(&split).contains("in 3 device buffers of at most 2.00MiB"),
+        "{}",
+        stdout(&split)
+    );
+    assert_eq!(steps(&split), steps(&whole));
+    assert_clean_error(
+        &run(Some("0")),
+        &["GRAPHTRAIN_DEVICE_BUFFER_MIB=`0`", "at least 1"],
+    );
+}
+
 /// A wgpu device that is named but cannot be opened is an error, not a crash.
 #[test]
 fn a_wgpu_device_that_cannot_open_is_an_error() {
