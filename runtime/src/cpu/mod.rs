@@ -861,14 +861,13 @@ impl CpuExecutor {
             }
             Some(calls) => {
                 for call in &calls {
-                    call.check_addressing()?;
                     // SAFETY: every offset + count is inside the arena (the planner sized it).
                     unsafe {
                         call.dispatch(&self.client, &|_| Binding {
                             handle: self.arena.clone(),
                             elems: self.len,
                             base: 0,
-                        })
+                        })?
                     };
                 }
                 self.queued |= !calls.is_empty();

@@ -775,10 +775,9 @@ is split across {} (device_collectives=host moves collectives through host memor
         };
         if let Some(calls) = launches.kernel_calls(step)? {
             for call in &calls {
-                call.check_addressing()?;
                 // SAFETY: every offset + count is inside the arena (the planner sized it), and
                 // every operand inside one of its buffers (the planner's windows).
-                unsafe { call.dispatch(&self.client, &|at| self.locate(at)) };
+                unsafe { call.dispatch(&self.client, &|at| self.locate(at))? };
             }
             return Ok(());
         }

@@ -239,23 +239,33 @@ impl KernelCall {
     /// Every scalar argument fits the kernels' 32-bit addressing (cubecl would panic on one that
     /// does not).
     pub fn check_addressing(&self) -> Result<(), RuntimeError> {
-        match self.scalars().iter().find(|&&s| u32::try_from(s).is_err()) {
+        self.check_args(self.scalars())
+    }
+
+    fn check_args(&self, args: &[usize]) -> Result<(), RuntimeError> {
+        match args.iter().find(|&&s| u32::try_from(s).is_err()) {
             None => Ok(()),
             Some(s) => Err(RuntimeError::Backend(format!(
-                "kernel argument {s} does not fit the 32-bit addressing of the cpu kernels ({self:?})"
+                "kernel argument {s} does not fit the kernels' 32-bit addressing ({self:?})"
             ))),
         }
     }
 
     /// Queues the launch through cubecl's launch path, each operand bound to the buffer
-    /// `locate` says holds it.
+    /// `locate` says holds it; refused where an argument, its offsets inside their buffers,
+    /// does not fit the kernels' 32-bit addressing.
     ///
     /// # Safety
     /// Every offset the arguments name must lie inside the buffer holding it, and every
     /// operand must lie wholly in one buffer (the planner places them so).
-    pub unsafe fn dispatch(&self, client: &Client, locate: &dyn Fn(usize) -> Binding) {
+    pub unsafe fn dispatch(
+        &self,
+        client: &Client,
+        locate: &dyn Fn(usize) -> Binding,
+    ) -> Result<(), RuntimeError> {
         let (count, dim) = grid(self.units());
         let (buffers, args) = self.bind_operands(locate);
+        self.check_args(&args)?;
         // SAFETY: forwarded from the caller.
         let arg = |k: usize| unsafe {
             BufferArg::from_raw_parts(buffers[k].handle.clone(), self.buffer_len(buffers[k].elems))
@@ -318,6 +328,7 @@ impl KernelCall {
                 ),
             }
         }
+        Ok(())
     }
 
     /// The kernel object the same launch would hand to the server, for compiling it ourselves:
