@@ -491,9 +491,12 @@ pub fn attention_dq_kernel(
 }
 
 /// Attention backward, second half: one unit per key row of `[B, Hkv, S, D]` (`total =
-/// B·Hkv·S`). Over the query heads of its group in ascending order, then the query rows `i`
-/// that see key `j` in order, with the row statistics of `attention_dq_kernel`:
-/// `dv_j = Σ p_ij dout_i` and `dk_j = (Σ p_ij (dp_ij - δ_i) q_i) · scale`.
+/// B·Hkv·S`), one launch per query head of the group (`member`, in ascending order): over the
+/// query rows `i` of that head that see key `j`, in order, with the row statistics of
+/// `attention_dq_kernel`: `dv_j = Σ p_ij dout_i` and `dk_j = (Σ p_ij (dp_ij - δ_i) q_i) · scale`.
+/// The sums accumulate in the output rows, so the launches add in the order one loop over the
+/// group would (the first zeroes the rows, the last scales `dk`), and a unit's loop trips are
+/// one head's, not the group's (lavapipe's budget: `shared::kernels::LOOP_BUDGET`).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_kv_backward_kernel(
@@ -512,6 +515,7 @@ pub fn attention_kv_backward_kernel(
     dv: Heads4,
     stats: usize,
     shape: AttentionShape,
+    member: usize,
     total: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
@@ -531,33 +535,34 @@ pub fn attention_kv_backward_kernel(
         let vj = v.row(b, kvh, j);
         let dkj = dk.row(b, kvh, j);
         let dvj = dv.row(b, kvh, j);
-        for x in 0..d {
-            dk_buf[dkj + x] = f32::new(0.0);
-            dv_buf[dvj + x] = f32::new(0.0);
+        if member == 0 {
+            for x in 0..d {
+                dk_buf[dkj + x] = f32::new(0.0);
+                dv_buf[dvj + x] = f32::new(0.0);
+            }
         }
         let mut first = 0;
         if shape.causal == 1 {
             first = j;
         }
-        for r in 0..group {
-            let h = kvh * group + r;
-            for i in first..seq {
-                let qi = q.row(b, h, i);
-                let gi = g.row(b, h, i);
-                let row = stats + 3 * ((b * heads + h) * seq + i);
-                let p =
-                    f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, d, scale) - stats_buf[row])
-                        / stats_buf[row + 1];
-                let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, d, f32::new(1.0));
-                let ds = p * (dp - stats_buf[row + 2]);
-                for x in 0..d {
-                    dv_buf[dvj + x] += p * g_buf[gi + x * g.s3];
-                    dk_buf[dkj + x] += ds * q_buf[qi + x * q.s3];
-                }
+        let h = kvh * group + member;
+        for i in first..seq {
+            let qi = q.row(b, h, i);
+            let gi = g.row(b, h, i);
+            let row = stats + 3 * ((b * heads + h) * seq + i);
+            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, d, scale) - stats_buf[row])
+                / stats_buf[row + 1];
+            let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, d, f32::new(1.0));
+            let ds = p * (dp - stats_buf[row + 2]);
+            for x in 0..d {
+                dv_buf[dvj + x] += p * g_buf[gi + x * g.s3];
+                dk_buf[dkj + x] += ds * q_buf[qi + x * q.s3];
             }
         }
-        for x in 0..d {
-            dk_buf[dkj + x] *= scale;
+        if member + 1 == group {
+            for x in 0..d {
+                dk_buf[dkj + x] *= scale;
+            }
         }
         e += units;
     }

@@ -564,15 +564,15 @@ is split across {} (device_collectives=host moves collectives through host memor
                 let (s, hd) = (d.seq, d.head_dim);
                 let rows = d.batch * d.heads * s;
                 // Per query row: the softmax's pass over the keys, then one or two more, each
-                // key a dot product over the head; per key row, its group's query rows.
+                // key a dot product over the head; per key row, one head's query rows.
                 let forward = share(rows) * (1 + s * (3 * hd + 2) + 2 * hd);
                 match step {
                     Step::Attention { .. } => forward,
                     _ => {
-                        let group = d.heads / d.kv_heads.max(1);
+                        // One launch per query head of a group for the keys' half.
                         let queries = share(rows) * (1 + s * (6 * hd + 3) + 2 * hd);
-                        let keys = share(d.batch * d.kv_heads * s)
-                            * (1 + group * (s * (3 * hd + 1) + 1) + 2 * hd);
+                        let keys =
+                            share(d.batch * d.kv_heads * s) * (1 + s * (3 * hd + 1) + 2 * hd);
                         queries.max(keys)
                     }
                 }
@@ -1499,35 +1499,39 @@ and {n} targets",
                         attention_shape(&d),
                         rows,
                     );
-                    let (count, dim) = grid(units_for(key_rows));
-                    let (q_buf, q) = self.heads4(q4);
-                    let (k_buf, k) = self.heads4(k4);
-                    let (v_buf, v) = self.heads4(v4);
-                    let (g_buf, g) = self.heads4(g4);
-                    let (dk_buf, dk) = self.heads4(dk4);
-                    let (dv_buf, dv) = self.heads4(dv4);
-                    let (stats_buf, stats) = self.operand(scratch);
-                    attention_kv_backward_kernel::launch_unchecked(
-                        &self.client,
-                        count,
-                        dim,
-                        q_buf,
-                        k_buf,
-                        v_buf,
-                        g_buf,
-                        dk_buf,
-                        dv_buf,
-                        stats_buf,
-                        q,
-                        k,
-                        v,
-                        g,
-                        dk,
-                        dv,
-                        stats,
-                        attention_shape(&d),
-                        key_rows,
-                    )
+                    // One launch per query head of a group, in order (see the kernel).
+                    for member in 0..d.heads / d.kv_heads {
+                        let (count, dim) = grid(units_for(key_rows));
+                        let (q_buf, q) = self.heads4(q4);
+                        let (k_buf, k) = self.heads4(k4);
+                        let (v_buf, v) = self.heads4(v4);
+                        let (g_buf, g) = self.heads4(g4);
+                        let (dk_buf, dk) = self.heads4(dk4);
+                        let (dv_buf, dv) = self.heads4(dv4);
+                        let (stats_buf, stats) = self.operand(scratch);
+                        attention_kv_backward_kernel::launch_unchecked(
+                            &self.client,
+                            count,
+                            dim,
+                            q_buf,
+                            k_buf,
+                            v_buf,
+                            g_buf,
+                            dk_buf,
+                            dv_buf,
+                            stats_buf,
+                            q,
+                            k,
+                            v,
+                            g,
+                            dk,
+                            dv,
+                            stats,
+                            attention_shape(&d),
+                            member,
+                            key_rows,
+                        )
+                    }
                 };
             }
             _ => unreachable!("not a composite step"),
