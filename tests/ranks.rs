@@ -231,6 +231,49 @@ fn meshes_of_device_ranks_match_one_device_on_wgpu() {
     }
 }
 
+/// Device ranks whose arenas are split across buffers (64 KiB each: five or more per rank)
+/// train FSDP and FSDP with TP bit for bit as with one buffer each: the collectives stage their
+/// operands and results through the windows that hold them.
+#[test]
+fn device_ranks_with_split_arenas_train_bitwise_as_with_one_buffer() {
+    if graphtrain::gate::device_backends_for_tests().is_empty() {
+        return;
+    }
+    let none = Pipeline::new(Vec::new());
+    let train_split = |mesh: &str, buffer: Option<usize>| {
+        let mut options = CompileOptions::new(&none, Mode::Fused);
+        options.runtime.device_buffer_bytes = buffer;
+        let cfg = TrainConfig {
+            data: DataMode::Fixed.into(),
+            seed: 0,
+            lr: 1e-3,
+            optim: OptimConfig::default(),
+        };
+        let mut t = Trainer::build_on(
+            &tiny(),
+            cfg,
+            Backend::Wgpu,
+            &options,
+            Some(&threads_on(mesh)),
+        )
+        .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let losses: Vec<f64> = (0..STEPS)
+            .flat_map(|_| {
+                let m = t.step().unwrap_or_else(|e| panic!("{mesh}: {e}"));
+                [m.loss, m.grad_norm]
+            })
+            .collect();
+        (losses, t.parameters().unwrap().into_iter().collect())
+    };
+    for mesh in ["dp_shard=2", "dp_shard=2,tp=2"] {
+        assert_bitwise(
+            &format!("wgpu {mesh}, arenas in 64 KiB buffers"),
+            &train_split(mesh, Some(64 << 10)),
+            &train_split(mesh, None),
+        );
+    }
+}
+
 #[test]
 fn a_mesh_of_one_rank_is_bitwise_one_device() {
     let single = train(None);
