@@ -511,9 +511,7 @@ fn map_reduce<N: Size>(
         for q in 0..quads {
             #[unroll]
             for u in 0..4 {
-                let b = q * 4 + u;
-                let j = b * 8;
-                let x = eval::<N>(
+                let p = fold_block::<N>(
                     x0,
                     x1,
                     x2,
@@ -521,35 +519,20 @@ fn map_reduce<N: Size>(
                     x4,
                     x5,
                     args,
-                    (first + j) >> args.shift,
+                    lo,
+                    hi,
+                    first,
                     o,
-                    j,
+                    q * 4 + u,
                     modes,
                     expr.clone(),
                 );
-                lo = combine_vec::<N>(lo, x, is_max);
-                if comptime!(halves) {
-                    let y = eval::<N>(
-                        x0,
-                        x1,
-                        x2,
-                        x3,
-                        x4,
-                        x5,
-                        args,
-                        (first + j + 4) >> args.shift,
-                        o,
-                        j + 4,
-                        modes,
-                        expr.clone(),
-                    );
-                    hi = combine_vec::<N>(hi, y, is_max);
-                }
+                lo = p.lo;
+                hi = p.hi;
             }
         }
         for b in quads * 4..blocks {
-            let j = b * 8;
-            let x = eval::<N>(
+            let p = fold_block::<N>(
                 x0,
                 x1,
                 x2,
@@ -557,30 +540,16 @@ fn map_reduce<N: Size>(
                 x4,
                 x5,
                 args,
-                (first + j) >> args.shift,
+                lo,
+                hi,
+                first,
                 o,
-                j,
+                b,
                 modes,
                 expr.clone(),
             );
-            lo = combine_vec::<N>(lo, x, is_max);
-            if comptime!(halves) {
-                let y = eval::<N>(
-                    x0,
-                    x1,
-                    x2,
-                    x3,
-                    x4,
-                    x5,
-                    args,
-                    (first + j + 4) >> args.shift,
-                    o,
-                    j + 4,
-                    modes,
-                    expr.clone(),
-                );
-                hi = combine_vec::<N>(hi, y, is_max);
-            }
+            lo = p.lo;
+            hi = p.hi;
         }
         let r = if comptime!(halves) {
             let low = combine(
@@ -612,6 +581,71 @@ fn map_reduce<N: Size>(
         packed.insert_dynamic(o & args.mask, r);
         y[v] = packed;
     }
+}
+
+/// The two running partials of a row reduction (`hi` only with `REDUCE_HALVES`).
+#[derive(CubeType, Clone, Copy)]
+struct Partials<N: Size> {
+    lo: Vector<f32, N>,
+    hi: Vector<f32, N>,
+}
+
+/// The partials `(lo, hi)` with block `b` (elements `8b..8b + 8`) of output `o`'s row, whose
+/// first element is `first`, folded in.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_block<N: Size>(
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    lo: Vector<f32, N>,
+    hi: Vector<f32, N>,
+    first: usize,
+    o: usize,
+    b: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) -> Partials<N> {
+    let is_max = comptime!(modes & REDUCE_MAX != 0);
+    let j = b * 8;
+    let x = eval::<N>(
+        x0,
+        x1,
+        x2,
+        x3,
+        x4,
+        x5,
+        args,
+        (first + j) >> args.shift,
+        o,
+        j,
+        modes,
+        expr.clone(),
+    );
+    let lo = combine_vec::<N>(lo, x, is_max);
+    let mut hi = hi;
+    if comptime!(modes & REDUCE_HALVES != 0) {
+        let y = eval::<N>(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            args,
+            (first + j + 4) >> args.shift,
+            o,
+            j + 4,
+            modes,
+            expr,
+        );
+        hi = combine_vec::<N>(hi, y, is_max);
+    }
+    Partials::<N> { lo, hi }
 }
 
 /// Output vectors that `map_reduce_outer` accumulates side by side in one pass over the rows.
