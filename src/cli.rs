@@ -317,7 +317,7 @@ pub enum PassesCommand {
 #[derive(clap::Args, Debug)]
 pub struct PassArgs {
     /// Pass pipeline: comma-separated names, each `NAME` or `NAME=OPTION`, run in order.
-    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce,capture); `none` runs no pass.
+    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce,gather_bf16,capture); `none` runs no pass.
     /// `graphtrain passes list` shows the passes.
     #[arg(long, default_value = "default")]
     pub passes: String,

@@ -82,15 +82,19 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
     let dir = scratch("bitwise");
     // The last: every overlap pass on four ranks (async TP ungated: the gate would see shared
     // memory and decline tiny's sites).
+    // Mixed precision: FSDP gathers bf16 weights and scatters bf16 gradients, TP gathers bf16
+    // activations; MPI moves those in 2 bytes an element, and still the threads' bits.
     let overlap = "ac,bucket,prefetch=nodes:96,async_tp=gate:off";
-    for (mesh, np, passes) in [
-        ("dp_shard=2", 2, "default"),
-        ("tp=2", 2, "default"),
-        ("dp_shard=2,tp=2", 4, "default"),
-        ("dp_shard=2,tp=2", 4, overlap),
+    for (mesh, np, passes, precision) in [
+        ("dp_shard=2", 2, "default", "f32"),
+        ("tp=2", 2, "default", "f32"),
+        ("dp_shard=2,tp=2", 4, "default", "f32"),
+        ("dp_shard=2,tp=2", 4, overlap, "f32"),
+        ("dp_shard=2,tp=2", 4, "default", "bf16-mixed"),
     ] {
-        let threads_ckpt = dir.join(format!("{mesh}-{np}-{}-threads.safetensors", passes.len()));
-        let mpi_ckpt = dir.join(format!("{mesh}-{np}-{}-mpi.safetensors", passes.len()));
+        let name = format!("{mesh}-{np}-{}-{precision}", passes.len());
+        let threads_ckpt = dir.join(format!("{name}-threads.safetensors"));
+        let mpi_ckpt = dir.join(format!("{name}-mpi.safetensors"));
         let threads = output({
             let mut c = Command::new(BIN);
             c.args(run_args(mesh, &threads_ckpt)).args([
@@ -98,6 +102,8 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
                 "1",
                 "--passes",
                 passes,
+                "--precision",
+                precision,
             ]);
             c
         });
@@ -109,6 +115,8 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
                 "mpi",
                 "--passes",
                 passes,
+                "--precision",
+                precision,
             ]);
             c
         });
@@ -124,7 +132,7 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
         );
         assert_eq!(a.len(), 5, "{mesh}: {}", text(&threads.stdout));
         // Rank 0 alone prints: five lines, not five per rank.
-        assert_eq!(a, b, "{mesh} {passes}: the step lines differ");
+        assert_eq!(a, b, "{mesh} {passes} {precision}: the step lines differ");
         // The MPI run's checkpoint is sharded (a directory of rank files and a manifest);
         // assembled, it is the threads run's, bit for bit.
         assert!(mpi_ckpt.join("manifest.json").is_file(), "{mesh} {passes}");

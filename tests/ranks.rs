@@ -537,6 +537,75 @@ fn mixed_precision_runs_on_every_mesh_near_one_device() {
     }
 }
 
+/// FSDP under mixed precision gathers its matmul weights as bf16 (`gather_bf16`, in the default
+/// pipeline): every such gather moves bf16 and the step stays bitwise the one that gathers f32
+/// and rounds after; with `keep_gathered` after it, backward's bf16 re-gathers are still found
+/// and removed, bitwise too.
+#[test]
+fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
+    let none = Pipeline::new(Vec::new());
+    let build = |list: &str| {
+        let mut p = PipelineSpec::parse_list(list)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        p.verify_each = true;
+        p
+    };
+    // tiny's 2 blocks: wq, wk, wv, wo, w1, w2, w3 and the output head, forward and backward
+    // (30); with sequence parallelism also each block's two gathered inputs, read by matmuls.
+    for (mesh, bf16_gathers) in [("dp_shard=2", 30.0), ("dp_shard=2,tp=2", 34.0)] {
+        let plain = train_in(Backend::Cpu, Some(mesh), &none, Precision::Bf16Mixed);
+        for list in ["default", "gather_bf16,keep_gathered"] {
+            let pipeline = build(list);
+            let t = build_in(
+                Backend::Cpu,
+                Some(&threads_on(mesh)),
+                &pipeline,
+                Precision::Bf16Mixed,
+            );
+            let record = t.passes.iter().find(|r| r.pass == "gather_bf16").unwrap();
+            let gathers = record
+                .report
+                .metrics
+                .iter()
+                .find(|m| m.0 == "gather_bf16.gathers");
+            assert_eq!(
+                gathers.map(|m| m.1),
+                Some(bf16_gathers),
+                "{mesh} {list}: {}",
+                record.report
+            );
+            if list.contains("keep_gathered") {
+                // As many re-gathers kept as when every gather moves f32.
+                let kept = |t: &Trainer| {
+                    let r = t.passes.iter().find(|r| r.pass == "keep_gathered").unwrap();
+                    let m = r
+                        .report
+                        .metrics
+                        .iter()
+                        .find(|m| m.0 == "keep_gathered.kept");
+                    m.map(|m| m.1)
+                };
+                let alone = build_in(
+                    Backend::Cpu,
+                    Some(&threads_on(mesh)),
+                    &build("keep_gathered"),
+                    Precision::Bf16Mixed,
+                );
+                assert_eq!(kept(&t), kept(&alone), "{mesh}");
+                assert!(kept(&t) >= Some(15.0), "{mesh}: {:?}", kept(&t));
+            }
+            drop(t);
+            assert_bitwise(
+                &format!("{mesh} bf16-mixed with {list}"),
+                &train_in(Backend::Cpu, Some(mesh), &pipeline, Precision::Bf16Mixed),
+                &plain,
+            );
+        }
+    }
+}
+
 /// `async_tp` on the mixed-precision step: its chunks of bf16 matmul operands are gathered and
 /// concatenated as bf16 (copies, nothing rounds again), so the step stays bitwise the one
 /// without it.

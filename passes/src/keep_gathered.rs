@@ -8,6 +8,8 @@
 //!
 //! Changes: a later all-gather of the same operand over the same group as an earlier one (the
 //! backward re-gather) is removed with its wait; its readers read the earlier wait's result.
+//! A gather of a cast that only it reads (`gather_bf16`'s) moves the cast's operand, cast: two
+//! such gathers of one weight repeat each other, and the later one's cast goes with it.
 //! Guarantees: tier 1: the removed collective would have returned the same bits. The earlier
 //! result lives until its last backward reader: the predicted peak is reported before and after.
 //! Declines: without a mesh or without repeated gathers; repeated gathers outside the chosen
@@ -29,6 +31,9 @@ backward; the predicted peak is reported before and after. Declines without repe
 and outside the chosen blocks.",
     option_help: Some("all (default) or last:N (the last N transformer blocks)"),
 };
+
+/// What a gather moves: a value, cast by the op when one is given.
+type Moved<'g> = (ValueId, Option<&'g Op>);
 
 pub fn register(r: &mut Registry) {
     r.register(INFO, |option| Ok(Box::new(KeepGathered::parse(option)?)));
@@ -77,8 +82,23 @@ impl Pass for KeepGathered {
             (KeepGathered::Last(n), Some(l), Some(last)) => l + n > last,
             _ => false,
         };
-        // The first gather of each (operand, op) and its wait's result.
-        let mut first: Vec<(ValueId, &Op, ValueId)> = Vec::new();
+        let producers = g.producers();
+        // What a gather moves: its operand, or, for a cast that only this gather reads
+        // (`gather_bf16`'s bf16 shard, cast again before each gather), the cast's operand and
+        // the cast, which goes with a removed gather.
+        let moved = |operand: ValueId| -> (ValueId, Option<(usize, &Op)>) {
+            match producers[operand.index()] {
+                Some(c)
+                    if matches!(g.nodes[c].op, Op::Cast { .. })
+                        && users[operand.index()].len() == 1 =>
+                {
+                    (g.nodes[c].inputs[0], Some((c, &g.nodes[c].op)))
+                }
+                _ => (operand, None),
+            }
+        };
+        // The first gather of each (what it moves, op) and its wait's result.
+        let mut first: Vec<(Moved, &Op, ValueId)> = Vec::new();
         // Per value: what to read instead (a repeated gather's result -> the first's).
         let mut instead: Vec<Option<ValueId>> = vec![None; g.values.len()];
         let mut removed = vec![false; g.nodes.len()];
@@ -95,18 +115,19 @@ impl Pass for KeepGathered {
                 [w] if matches!(g.nodes[*w].op, Op::Wait) => *w,
                 _ => continue,
             };
-            let operand = node.inputs[0];
+            let (source, cast) = moved(node.inputs[0]);
+            let key = (source, cast.map(|(_, op)| op));
             let result = g.nodes[wait].outputs[0];
-            match first
-                .iter()
-                .find(|(v, op, _)| *v == operand && **op == node.op)
-            {
-                None => first.push((operand, &node.op, result)),
+            match first.iter().find(|(k, op, _)| *k == key && **op == node.op) {
+                None => first.push((key, &node.op, result)),
                 Some(_) if !chosen(node.meta.layer) => outside += 1,
                 Some(&(_, _, earlier)) => {
                     instead[result.index()] = Some(earlier);
                     removed[i] = true;
                     removed[wait] = true;
+                    if let Some((c, _)) = cast {
+                        removed[c] = true;
+                    }
                     kept += 1;
                 }
             }
@@ -190,6 +211,34 @@ mod tests {
         let all = check(&KeepGathered::All, TWO_BLOCKS);
         assert!(all.contains("kept 2 gathered tensors"), "{all}");
         assert_eq!(all.matches("all_gather_start").count(), 2, "{all}");
+    }
+
+    /// `gather_bf16`'s form: each gather moves a cast of the shard made just for it.
+    #[test]
+    fn gathers_of_bf16_casts_of_one_weight_repeat_each_other() {
+        let cast_gathers = "graph g {
+  mesh dp_shard=2
+  input %x: bf16[2,4] @ [shard(0)]
+  param %w: f32[2,4] @ [shard(0)]
+  %2: bf16[2,4] = cast(%w, dtype=bf16)  # fwd layers.0.w
+  %3: bf16[4,4] = all_gather_start(%2, mesh_dims=[0], group=2, axis=0)  # fwd layers.0.w
+  %4: bf16[4,4] = wait(%3)  # fwd layers.0.w
+  %5: bf16[2,4] = matmul(%x, %4)  # fwd layers.0.w
+  %6: bf16[2,4] = cast(%w, dtype=bf16)  # bwd layers.0.w
+  %7: bf16[4,4] = all_gather_start(%6, mesh_dims=[0], group=2, axis=0)  # bwd layers.0.w
+  %8: bf16[4,4] = wait(%7)  # bwd layers.0.w
+  %9: bf16[4,4] = transpose(%8, perm=[1,0])  # bwd layers.0.w
+  %10: bf16[2,4] = matmul(%5, %9)  # bwd layers.0.w
+  output y = %10 @ [shard(0)]
+}";
+        let out = check(&KeepGathered::All, cast_gathers);
+        assert!(out.contains("kept 1 gathered tensors"), "{out}");
+        assert_eq!(out.matches("all_gather_start").count(), 1, "{out}");
+        assert_eq!(
+            out.matches("cast(").count(),
+            1,
+            "the second cast went too: {out}"
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod capture;
 pub mod cse;
 pub mod dce;
 pub mod egraph;
+pub mod gather_bf16;
 pub mod keep_gathered;
 pub mod offload;
 pub mod parallelize;
@@ -43,6 +44,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     cse::register(r);
     dce::register(r);
     egraph::register(r);
+    gather_bf16::register(r);
     keep_gathered::register(r);
     offload::register(r);
     prefetch::register(r);

@@ -10,9 +10,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The tier-1 passes run when the user names none. `capture` comes last so that every node the
-/// earlier passes leave is tagged: on cpu its regions are replayed as bound launch lists.
-pub const DEFAULT_PIPELINE: &[&str] = &["canonicalize", "cse", "dce", "capture"];
+/// The tier-1 passes run when the user names none. `gather_bf16` acts only on meshes under
+/// mixed precision. `capture` comes last so that every node the earlier passes leave is
+/// tagged: on cpu its regions are replayed as bound launch lists.
+pub const DEFAULT_PIPELINE: &[&str] = &["canonicalize", "cse", "dce", "gather_bf16", "capture"];
 
 /// One pipeline entry: a pass name and its optional option string.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

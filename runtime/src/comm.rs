@@ -59,7 +59,8 @@ pub struct CollectiveCall {
     /// Where this rank's result goes: `dst_len` contiguous f32.
     pub dst: *mut f32,
     pub dst_len: usize,
-    /// The result is bf16 (held in f32): a sum is rounded to it once every member is in.
+    /// The values are bf16 (held in f32 slots, low 16 bits zero): they travel as 2 bytes each
+    /// (`wire_bytes`), and a sum is rounded to bf16 once every member is in.
     pub round_bf16: bool,
 }
 
@@ -95,6 +96,16 @@ impl CollectiveCall {
             dst_len: g.ty(handle.0).numel(),
             round_bf16: g.ty(handle.0).dtype == graphtrain_ir::DType::BF16,
         })
+    }
+
+    /// Bytes one element takes on the wire: 2 for bf16 (its f32 slot's high half, which holds
+    /// all of it), else 4. What a network moves, what MPI sends and what a `Link` charges.
+    pub fn wire_bytes(&self) -> usize {
+        if self.round_bf16 {
+            2
+        } else {
+            4
+        }
     }
 }
 
@@ -275,11 +286,13 @@ impl Link {
     }
 
     /// The time `call` takes on this link: its latency and what one member sends under a ring
-    /// algorithm ((n-1)/n of the gathered or scattered tensor; twice that for an all-reduce).
+    /// algorithm ((n-1)/n of the gathered or scattered tensor; twice that for an all-reduce),
+    /// at the call's wire bytes per element (bf16 moves half of f32's).
     pub fn time(&self, call: &CollectiveCall) -> Duration {
         let n = call.group.len() as f64;
-        let src_bytes = call.src_shape.iter().product::<usize>() as f64 * 4.0;
-        let dst_bytes = call.dst_len as f64 * 4.0;
+        let element = call.wire_bytes() as f64;
+        let src_bytes = call.src_shape.iter().product::<usize>() as f64 * element;
+        let dst_bytes = call.dst_len as f64 * element;
         let ring = (n - 1.0) / n;
         let sent = match call.collective {
             Collective::AllGather { .. } => ring * dst_bytes,
@@ -816,6 +829,12 @@ mod tests {
             link.time(&call(sum, 0, &src, &mut dst[..1000])),
             Duration::from_millis(6)
         );
+        // bf16 values travel in 2 bytes: the gather sends 2000 bytes.
+        let bf16_gather = CollectiveCall {
+            round_bf16: true,
+            ..gather.clone()
+        };
+        assert_eq!(link.time(&bf16_gather), Duration::from_millis(4));
         for bad in ["1", "0:5", "-1:5", "1:-5", "x:1"] {
             assert!(Link::parse(bad).is_err(), "{bad}");
         }

@@ -13,7 +13,8 @@
 //! A collective gathers every member's operand (`MPI_Allgather`), then computes the rank's
 //! result with the same code as the threads engine, summing members in group order: a run is
 //! bitwise the threads engine's on the same mesh. That moves each operand to every member,
-//! more than a ring reduce-scatter would; bit-for-bit agreement comes first.
+//! more than a ring reduce-scatter would; bit-for-bit agreement comes first. bf16 operands
+//! (mixed precision's gathered weights and their gradients) move 2 bytes per element.
 //!
 //! A wait that does not complete within the timeout (`RuntimeOptions::collective_timeout`, which
 //! the CLI reads from `GRAPHTRAIN_COLLECTIVE_TIMEOUT_S`, default 300) fails with the collective's sequence number, kind and group instead of hanging: another
@@ -198,10 +199,34 @@ fn run_collective(
     // SAFETY: `start`'s contract: `src` holds `numel` f32 until the wait.
     let src = unsafe { std::slice::from_raw_parts(call.src, numel) };
     let mut all = vec![0f32; numel * n];
-    comm.all_gather_into(src, &mut all[..]);
+    if call.round_bf16 {
+        all_gather_bf16(comm, src, &mut all)?;
+    } else {
+        comm.all_gather_into(src, &mut all[..]);
+    }
     let members: Vec<*const f32> = (0..n).map(|i| all[i * numel..].as_ptr()).collect();
     // SAFETY: every member pointer covers `numel` elements of `all`; `dst` is valid per `start`.
     unsafe { combine(call, &members) };
+    Ok(())
+}
+
+/// Every member's bf16 operand into `all`, moving 2 bytes per element: each f32 slot's high
+/// half, which is the whole bf16 value (every op producing bf16 rounds to it, leaving the low
+/// half zero). An operand with a low half set is not bf16: the rank still takes part in the
+/// gather (so the others are not left waiting in it), then fails instead of using the result.
+fn all_gather_bf16(comm: &SimpleCommunicator, src: &[f32], all: &mut [f32]) -> Result<(), String> {
+    let halves: Vec<u16> = src.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+    let mut gathered = vec![0u16; all.len()];
+    comm.all_gather_into(&halves[..], &mut gathered[..]);
+    if let Some(at) = src.iter().position(|x| x.to_bits() & 0xffff != 0) {
+        return Err(format!(
+            "a bf16 collective's operand holds {} at element {at}, which is not a bf16 value",
+            src[at]
+        ));
+    }
+    for (slot, half) in all.iter_mut().zip(gathered) {
+        *slot = f32::from_bits(u32::from(half) << 16);
+    }
     Ok(())
 }
 
