@@ -580,6 +580,29 @@ fn attention_forward_and_backward_grouped_query() {
     }
 }
 
+/// Attention over 600 keys with 32-wide heads: the device kernels' loops over a head's
+/// elements are unrolled (its width is a comptime argument), so a unit takes a few loop trips
+/// per key; before, the query side of backward took about 200 per key and this step was
+/// refused on lavapipe (its budget of 65,535 trips, `shared::kernels::LOOP_BUDGET`).
+#[test]
+fn attention_over_long_rows_fits_the_devices_loop_budget() {
+    check(
+        "attention over 600 keys",
+        "graph g {
+  input %q: f32[1,2,600,32]
+  input %k: f32[1,1,600,32]
+  input %v: f32[1,1,600,32]
+  input %g: f32[1,2,600,32]
+  %4: f32[1,2,600,32] = attention(%q, %k, %v, causal=true, scale=0.17677669529663687)
+  %5: f32[1,2,600,32], %6: f32[1,1,600,32], %7: f32[1,1,600,32] = attention_backward(%q, %k, %v, %g, causal=true, scale=0.17677669529663687)
+  output o = %4
+  output dq = %5
+  output dk = %6
+  output dv = %7
+}",
+    );
+}
+
 /// The composites at their smallest: one query row and one element per head (a causal
 /// softmax over a single key), rope on one pair, cross-entropy over one class and over one
 /// row. The device kernels' first-element starts (max from the first key or class) meet

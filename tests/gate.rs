@@ -101,6 +101,18 @@ fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
             )
             .unwrap_or_else(|e| panic!("{list} on {backend}, bf16-mixed: {e}"));
         }
+        // A GEMM kernel chosen by a setting runs on both sides: the f32 GEMM rounds bf16-mixed's
+        // products differently from `vdpbf16ps`, and the gate judges the pipeline, not that.
+        check_pipeline_tuned(
+            &tiny,
+            &p,
+            3,
+            Backend::Cpu,
+            None,
+            &Tuning::parse("gemm=avx2").unwrap(),
+            Precision::Bf16Mixed,
+        )
+        .unwrap_or_else(|e| panic!("{list} with gemm=avx2, bf16-mixed: {e}"));
     }
 }
 

@@ -258,13 +258,14 @@ impl Heads4 {
 }
 
 /// The attention kernels' shape: `heads` query heads in groups of `group` per kv head, `seq`
-/// rows of `d` elements each; `causal == 1` masks keys after the query row.
+/// rows each; `causal == 1` masks keys after the query row. The head's width `d` is a comptime
+/// argument of each kernel instead: its loops over a head's elements unroll, so a unit's loop
+/// trips are its keys' (lavapipe's budget, `shared::kernels::LOOP_BUDGET`), not keys x `d`.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
 pub struct AttentionShape {
     pub heads: usize,
     pub group: usize,
     pub seq: usize,
-    pub d: usize,
     pub causal: u32,
     pub scale: f32,
 }
@@ -310,10 +311,11 @@ fn score(
     k_buf: &mut [f32],
     k: usize,
     kd: usize,
-    d: usize,
     scale: f32,
+    #[comptime] d: usize,
 ) -> f32 {
     let mut dot = f32::new(0.0);
+    #[unroll]
     for x in 0..d {
         dot += q_buf[q + x * qd] * k_buf[k + x * kd];
     }
@@ -343,13 +345,13 @@ fn softmax_stats(
     kr: usize,
     kd: usize,
     keys: usize,
-    d: usize,
     scale: f32,
+    #[comptime] d: usize,
 ) -> Softmax {
-    let mut mx = score(q_buf, q, qd, k_buf, k, kd, d, scale);
+    let mut mx = score(q_buf, q, qd, k_buf, k, kd, scale, d);
     let mut sum = f32::new(1.0);
     for j in 1..keys {
-        let s = score(q_buf, q, qd, k_buf, k + j * kr, kd, d, scale);
+        let s = score(q_buf, q, qd, k_buf, k + j * kr, kd, scale, d);
         if s > mx {
             sum = sum * f32::exp(mx - s) + f32::new(1.0);
             mx = s;
@@ -376,30 +378,33 @@ pub fn attention_kernel(
     o: Heads4,
     shape: AttentionShape,
     total: usize,
+    #[comptime] d: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < total {
         let r = shape.query_row(e);
-        let d = shape.d;
         let scale = shape.scale;
         let keys = r.keys;
         let qi = q.row(r.b, r.h, r.i);
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let oi = o.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, d, scale);
+        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, d);
         let mx = stats_i.max;
         let sum = stats_i.sum;
+        #[unroll]
         for x in 0..d {
             o_buf[oi + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx);
+            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx);
+            #[unroll]
             for x in 0..d {
                 o_buf[oi + x] += p * v_buf[vb + j * v.s2 + x * v.s3];
             }
         }
+        #[unroll]
         for x in 0..d {
             o_buf[oi + x] /= sum;
         }
@@ -428,12 +433,12 @@ pub fn attention_dq_kernel(
     stats: usize,
     shape: AttentionShape,
     total: usize,
+    #[comptime] d: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
     while e < total {
         let r = shape.query_row(e);
-        let d = shape.d;
         let scale = shape.scale;
         let keys = r.keys;
         let qi = q.row(r.b, r.h, r.i);
@@ -441,13 +446,13 @@ pub fn attention_dq_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let di = dq.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, d, scale);
+        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, d);
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);
         for j in 0..keys {
             let p =
-                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx) / sum;
             delta += p * score(
                 g_buf,
                 gi,
@@ -455,19 +460,20 @@ pub fn attention_dq_kernel(
                 v_buf,
                 vb + j * v.s2,
                 v.s3,
-                d,
                 f32::new(1.0),
+                d,
             );
         }
         stats_buf[stats + 3 * e] = mx;
         stats_buf[stats + 3 * e + 1] = sum;
         stats_buf[stats + 3 * e + 2] = delta;
+        #[unroll]
         for x in 0..d {
             dq_buf[di + x] = f32::new(0.0);
         }
         for j in 0..keys {
             let p =
-                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, d, scale) - mx) / sum;
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx) / sum;
             let dp = score(
                 g_buf,
                 gi,
@@ -475,14 +481,16 @@ pub fn attention_dq_kernel(
                 v_buf,
                 vb + j * v.s2,
                 v.s3,
-                d,
                 f32::new(1.0),
+                d,
             );
             let ds = p * (dp - delta);
+            #[unroll]
             for x in 0..d {
                 dq_buf[di + x] += ds * k_buf[kb + j * k.s2 + x * k.s3];
             }
         }
+        #[unroll]
         for x in 0..d {
             dq_buf[di + x] *= scale;
         }
@@ -517,12 +525,12 @@ pub fn attention_kv_backward_kernel(
     shape: AttentionShape,
     member: usize,
     total: usize,
+    #[comptime] d: usize,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let heads = shape.heads;
     let group = shape.group;
     let seq = shape.seq;
-    let d = shape.d;
     let scale = shape.scale;
     let kv_heads = heads / group;
     let mut e = ABSOLUTE_POS;
@@ -536,6 +544,7 @@ pub fn attention_kv_backward_kernel(
         let dkj = dk.row(b, kvh, j);
         let dvj = dv.row(b, kvh, j);
         if member == 0 {
+            #[unroll]
             for x in 0..d {
                 dk_buf[dkj + x] = f32::new(0.0);
                 dv_buf[dvj + x] = f32::new(0.0);
@@ -550,16 +559,18 @@ pub fn attention_kv_backward_kernel(
             let qi = q.row(b, h, i);
             let gi = g.row(b, h, i);
             let row = stats + 3 * ((b * heads + h) * seq + i);
-            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, d, scale) - stats_buf[row])
+            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, scale, d) - stats_buf[row])
                 / stats_buf[row + 1];
-            let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, d, f32::new(1.0));
+            let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, f32::new(1.0), d);
             let ds = p * (dp - stats_buf[row + 2]);
+            #[unroll]
             for x in 0..d {
                 dv_buf[dvj + x] += p * g_buf[gi + x * g.s3];
                 dk_buf[dkj + x] += ds * q_buf[qi + x * q.s3];
             }
         }
         if member + 1 == group {
+            #[unroll]
             for x in 0..d {
                 dk_buf[dkj + x] *= scale;
             }

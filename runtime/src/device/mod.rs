@@ -561,18 +561,17 @@ is split across {} (device_collectives=host moves collectives through host memor
             }
             Step::Attention { q, k, causal, .. } | Step::AttentionBackward { q, k, causal, .. } => {
                 let d = attention_dims(q, k, *causal, 1.0)?;
-                let (s, hd) = (d.seq, d.head_dim);
+                let s = d.seq;
                 let rows = d.batch * d.heads * s;
-                // Per query row: the softmax's pass over the keys, then one or two more, each
-                // key a dot product over the head; per key row, one head's query rows.
-                let forward = share(rows) * (1 + s * (3 * hd + 2) + 2 * hd);
+                // Loops over a head's elements are unrolled (`d` is comptime). Per query row:
+                // the softmax's pass over the keys, then one more (forward) or two (the query
+                // side of backward); per key row, one head's query rows.
                 match step {
-                    Step::Attention { .. } => forward,
+                    Step::Attention { .. } => share(rows) * (1 + 2 * s),
                     _ => {
                         // One launch per query head of a group for the keys' half.
-                        let queries = share(rows) * (1 + s * (6 * hd + 3) + 2 * hd);
-                        let keys =
-                            share(d.batch * d.kv_heads * s) * (1 + s * (3 * hd + 1) + 2 * hd);
+                        let queries = share(rows) * (1 + 3 * s);
+                        let keys = share(d.batch * d.kv_heads * s) * (1 + s);
                         queries.max(keys)
                     }
                 }
@@ -1443,6 +1442,7 @@ and {n} targets",
                         o4,
                         attention_shape(&d),
                         total,
+                        d.head_dim,
                     )
                 };
             }
@@ -1498,6 +1498,7 @@ and {n} targets",
                         stats,
                         attention_shape(&d),
                         rows,
+                        d.head_dim,
                     );
                     // One launch per query head of a group, in order (see the kernel).
                     for member in 0..d.heads / d.kv_heads {
@@ -1530,6 +1531,7 @@ and {n} targets",
                             attention_shape(&d),
                             member,
                             key_rows,
+                            d.head_dim,
                         )
                     }
                 };
@@ -1546,7 +1548,6 @@ fn attention_shape(d: &Dims) -> AttentionShapeLaunch {
         d.heads,
         d.heads / d.kv_heads,
         d.seq,
-        d.head_dim,
         u32::from(d.causal),
         d.scale,
     )
