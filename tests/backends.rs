@@ -1528,6 +1528,31 @@ fn long_rows_stay_inside_the_devices_loop_budget_or_are_refused() {
                 );
             }
         }
+        // Column sums of squares (fused: one map-reduce over the rows per group of output
+        // vectors): 20,000 rows take about 20,000 trips in a unit that holds fewer than eight
+        // outputs, and run.
+        let columns = text::parse(
+            "graph g {
+  input %x: f32[20000,64]
+  %1: f32[20000,64] = mul(%x, %x)
+  %2: f32[64] = reduce_sum(%1, axes=[0], keepdim=false)
+  output squares = %2
+}",
+        )
+        .unwrap();
+        let inputs = random_inputs(&columns, 0);
+        let want = run_once(&columns, Backend::Reference, Mode::Eager, &inputs).unwrap();
+        for mode in [Mode::Eager, Mode::Fused] {
+            let got = run_once(&columns, backend, mode, &inputs)
+                .unwrap_or_else(|e| panic!("{backend} {mode:?}, column sums: {e}"));
+            assert_outputs(
+                &format!("{backend} {mode:?}, column sums over 20,000 rows"),
+                &output_names(&columns),
+                &got,
+                &want,
+                Agree::Relative(1e-4),
+            );
+        }
         let g = text::parse(&src(3_000_000)).unwrap();
         let inputs = random_inputs(&g, 0);
         match run_once(&g, backend, Mode::Eager, &inputs) {

@@ -209,9 +209,10 @@ impl KernelCall {
                 if modes & (REDUCE_SUM | REDUCE_MAX) == 0 {
                     share(len, 1)
                 } else if modes & REDUCE_OUTER != 0 {
-                    // Groups of `OUTER_GROUP` output vectors, then one pass per leftover.
+                    // Groups of `OUTER_GROUP` output vectors, then one pass per leftover:
+                    // a pass over the rows per group and per leftover.
                     let span = share(l / width, 1);
-                    (span / 8 + 8) * (len + 1)
+                    (span / 8 + span % 8) * (len + 1) + 1
                 } else {
                     // Four blocks of eight per trip, then up to three more.
                     share(len, *width) * (l / 32 + 4)
