@@ -540,7 +540,7 @@ fn mixed_precision_runs_on_every_mesh_near_one_device() {
 /// FSDP under mixed precision gathers its matmul weights as bf16 (`gather_bf16`, in the default
 /// pipeline): every such gather moves bf16 and the step stays bitwise the one that gathers f32
 /// and rounds after; with `keep_gathered` after it, backward's bf16 re-gathers are still found
-/// and removed, bitwise too.
+/// and removed, bitwise too; with `bucket` after it, a block's gathers are merged as before.
 #[test]
 fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
     let none = Pipeline::new(Vec::new());
@@ -556,7 +556,7 @@ fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
     // (30); with sequence parallelism also each block's two gathered inputs, read by matmuls.
     for (mesh, bf16_gathers) in [("dp_shard=2", 30.0), ("dp_shard=2,tp=2", 34.0)] {
         let plain = train_in(Backend::Cpu, Some(mesh), &none, Precision::Bf16Mixed);
-        for list in ["default", "gather_bf16,keep_gathered"] {
+        for list in ["default", "gather_bf16,keep_gathered", "default,bucket"] {
             let pipeline = build(list);
             let t = build_in(
                 Backend::Cpu,
@@ -595,6 +595,26 @@ fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
                 );
                 assert_eq!(kept(&t), kept(&alone), "{mesh}");
                 assert!(kept(&t) >= Some(15.0), "{mesh}: {:?}", kept(&t));
+            }
+            if list.contains("bucket") {
+                // `bucket` merges as many collectives as when every gather moves f32: the
+                // block's shards are cast before its first gather.
+                let merged = |t: &Trainer| {
+                    let r = t.passes.iter().find(|r| r.pass == "bucket").unwrap();
+                    let m = r
+                        .report
+                        .metrics
+                        .iter()
+                        .find(|m| m.0 == "bucket.collectives_before");
+                    m.map(|m| m.1)
+                };
+                let f32_gathers = build_in(
+                    Backend::Cpu,
+                    Some(&threads_on(mesh)),
+                    &build("canonicalize,cse,dce,capture,bucket"),
+                    Precision::Bf16Mixed,
+                );
+                assert_eq!(merged(&t), merged(&f32_gathers), "{mesh}");
             }
             drop(t);
             assert_bitwise(

@@ -11,7 +11,9 @@
 //! operand instead (a cast of the shard before the start); the layout ops between run on the
 //! bf16 values, the casts are gone and their readers read what the casts would have given.
 //! Guarantees: tier 1: the same bits on every rank (`round(concat(x)) == concat(round(x))`);
-//! the start and wait keep their places, so overlap passes see the same schedule.
+//! the starts and waits keep their places, so overlap passes see the same schedule. A block's
+//! parameter shards (same layer and phase) are cast together where its first gather starts,
+//! so `bucket` can still merge the block's gathers; other operands are cast in place.
 //! Declines: without a mesh; gathers whose result has a reader other than a cast to bf16 (a
 //! norm's weight, read in f32) or is a graph output; gathers of non-f32 values. Gradients are
 //! untouched: their reduce-scatters stay f32 (torchtitan's `reduce_dtype`).
@@ -141,14 +143,39 @@ impl Pass for GatherBf16 {
             }
             return Ok((g.clone(), report));
         }
+        // A parameter's shard is cast where its block's (layer and phase) first such gather
+        // starts, with the block's other parameters: FSDP unshards a module's parameters
+        // together, and `bucket` merges a block's gathers only where every operand is ready
+        // at the first. Other operands (sequence parallelism's activations) are cast in place.
+        let producers = g.producers();
+        let is_input = |v: graphtrain_ir::ValueId| producers[v.index()].is_none();
+        let block = |n: &graphtrain_ir::graph::Node| (n.meta.layer, n.meta.phase);
+        let mut cast_of: Vec<Option<graphtrain_ir::ValueId>> = vec![None; g.nodes.len()];
         let mut rb = Rebuild::of(g, INFO.name);
         for (i, node) in g.nodes.iter().enumerate() {
             rb.phase = node.meta.phase;
             match role[i] {
                 Role::Kept => rb.keep(node),
                 Role::Start => {
-                    let shard = rb.map[node.inputs[0].index()];
-                    let low = rb.add(Op::Cast { dtype: DType::BF16 }, vec![shard], &node.meta)?;
+                    if cast_of[i].is_none() && is_input(node.inputs[0]) {
+                        for (j, later) in g.nodes.iter().enumerate().skip(i) {
+                            if role[j] == Role::Start
+                                && block(later) == block(node)
+                                && is_input(later.inputs[0])
+                            {
+                                let shard = rb.map[later.inputs[0].index()];
+                                let low = Op::Cast { dtype: DType::BF16 };
+                                cast_of[j] = Some(rb.add(low, vec![shard], &later.meta)?);
+                            }
+                        }
+                    }
+                    let low = match cast_of[i] {
+                        Some(low) => low,
+                        None => {
+                            let shard = rb.map[node.inputs[0].index()];
+                            rb.add(Op::Cast { dtype: DType::BF16 }, vec![shard], &node.meta)?
+                        }
+                    };
                     let start = rb.add(node.op.clone(), vec![low], &node.meta)?;
                     rb.map[node.outputs[0].index()] = start;
                 }
@@ -230,6 +257,35 @@ mod tests {
             out.contains("f32[4,4] = all_gather_start(%n"),
             "the norm's gather stays f32: {out}"
         );
+    }
+
+    /// Two weights of one block: both shards are cast before the block's first gather, so a
+    /// later `bucket` finds every operand ready there.
+    #[test]
+    fn a_blocks_shards_are_cast_together_before_its_first_gather() {
+        let out = check(
+            &GatherBf16,
+            "graph g {
+  mesh dp_shard=2
+  input %x: bf16[2,4] @ [shard(0)]
+  param %w: f32[2,4] @ [shard(0)]
+  param %u: f32[2,4] @ [shard(0)]
+  %3: f32[4,4] = all_gather_start(%w, mesh_dims=[0], group=2, axis=0)  # fwd layers.0.w
+  %4: f32[4,4] = wait(%3)  # fwd layers.0.w
+  %5: bf16[4,4] = cast(%4, dtype=bf16)  # fwd layers.0.w
+  %6: bf16[2,4] = matmul(%x, %5)  # fwd layers.0.w
+  %7: f32[4,4] = all_gather_start(%u, mesh_dims=[0], group=2, axis=0)  # fwd layers.0.u
+  %8: f32[4,4] = wait(%7)  # fwd layers.0.u
+  %9: bf16[4,4] = cast(%8, dtype=bf16)  # fwd layers.0.u
+  %10: bf16[2,4] = matmul(%6, %9)  # fwd layers.0.u
+  output y = %10 @ [shard(0)]
+}",
+        );
+        let first_start = out.find("all_gather_start").unwrap();
+        for cast in ["cast(%w, dtype=bf16)", "cast(%u, dtype=bf16)"] {
+            let at = out.find(cast).unwrap_or_else(|| panic!("{cast}: {out}"));
+            assert!(at < first_start, "{cast} after the first gather: {out}");
+        }
     }
 
     #[test]
