@@ -412,6 +412,10 @@ pub struct TraceArgs {
     /// must split over dp_replicate x dp_shard (the large configs' batch is 1).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// `f32` or `bf16-mixed` (matmuls on bf16 casts, f32 master weights; on a mesh, FSDP's
+    /// weight gathers move bf16 through the default pipeline's `gather_bf16`).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
     #[command(flatten)]
     pub optim: OptimArgs,
     #[command(flatten)]
@@ -2150,12 +2154,13 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
     let optim = a.optim.config()?;
     let pipeline = a.passes.pipeline(registry, None)?;
     let t0 = Instant::now();
+    let precision = Precision::parse(&a.precision).map_err(|e| format!("--precision: {e}"))?;
     let traced = step_on_mesh(
         &cfg,
         a.mesh.as_deref(),
         a.plan.as_deref(),
         &optim,
-        Precision::F32,
+        precision,
     )?;
     let compiled = compile(
         &traced.step.graph,

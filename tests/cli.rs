@@ -615,6 +615,48 @@ fn trace_on_a_mesh_prints_one_ranks_step_and_refuses_what_cannot_work() {
     ] {
         assert!(comm.contains(kind), "{comm}");
     }
+    // Under bf16-mixed, FSDP's weight gathers move bf16: the gathers' volume drops by about
+    // half (the norms' and the embedding's gathers stay f32).
+    let gathered = |comm: &str| -> f64 {
+        let after = comm.split("all_gather_start x").nth(1).expect("gathers");
+        let words: Vec<&str> = after.split_whitespace().collect();
+        let unit = match words[2].trim_end_matches([',', ')']) {
+            "B" => 1.0,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            u => panic!("unit {u} in {comm}"),
+        };
+        words[1].parse::<f64>().unwrap() * unit
+    };
+    // (`peer`, whose volumes print with enough digits.)
+    let peer_comm = |precision: &str| {
+        let o = graphtrain(&[
+            "trace",
+            "--config",
+            "peer",
+            "--mesh",
+            "dp_shard=2",
+            "--precision",
+            precision,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = stdout(&o);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("communication per rank per step:"))
+            .unwrap()
+            .to_string();
+        (out, line)
+    };
+    let (mixed, mixed_comm) = peer_comm("bf16-mixed");
+    assert!(mixed.contains("58 all-gathers move bf16"), "{mixed}");
+    let (_, comm) = peer_comm("f32");
+    let (f32_bytes, bf16_bytes) = (gathered(&comm), gathered(&mixed_comm));
+    assert!(
+        bf16_bytes < 0.6 * f32_bytes,
+        "{f32_bytes} -> {bf16_bytes}: {comm}\n{mixed_comm}"
+    );
     let plan = temp_file(
         "plan.ron",
         "(params: [(pattern: \"layers.*.attention.wz.weight\", placements: {})])",
