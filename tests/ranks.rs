@@ -537,6 +537,17 @@ fn mixed_precision_runs_on_every_mesh_near_one_device() {
     }
 }
 
+/// Metric `name` of pass `pass`'s report in `t`'s pipeline run.
+fn pass_metric(t: &Trainer, pass: &str, name: &str) -> Option<f64> {
+    let record = t.passes.iter().find(|r| r.pass == pass)?;
+    record
+        .report
+        .metrics
+        .iter()
+        .find(|m| m.0 == name)
+        .map(|m| m.1)
+}
+
 /// FSDP under mixed precision gathers its matmul weights as bf16 (`gather_bf16`, in the default
 /// pipeline): every such gather moves bf16 and the step stays bitwise the one that gathers f32
 /// and rounds after; with `keep_gathered` after it, backward's bf16 re-gathers are still found
@@ -564,29 +575,14 @@ fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
                 &pipeline,
                 Precision::Bf16Mixed,
             );
-            let record = t.passes.iter().find(|r| r.pass == "gather_bf16").unwrap();
-            let gathers = record
-                .report
-                .metrics
-                .iter()
-                .find(|m| m.0 == "gather_bf16.gathers");
             assert_eq!(
-                gathers.map(|m| m.1),
+                pass_metric(&t, "gather_bf16", "gather_bf16.gathers"),
                 Some(bf16_gathers),
-                "{mesh} {list}: {}",
-                record.report
+                "{mesh} {list}"
             );
             if list.contains("keep_gathered") {
                 // As many re-gathers kept as when every gather moves f32.
-                let kept = |t: &Trainer| {
-                    let r = t.passes.iter().find(|r| r.pass == "keep_gathered").unwrap();
-                    let m = r
-                        .report
-                        .metrics
-                        .iter()
-                        .find(|m| m.0 == "keep_gathered.kept");
-                    m.map(|m| m.1)
-                };
+                let kept = |t: &Trainer| pass_metric(t, "keep_gathered", "keep_gathered.kept");
                 let alone = build_in(
                     Backend::Cpu,
                     Some(&threads_on(mesh)),
@@ -599,15 +595,7 @@ fn fsdp_gathers_bf16_weights_bitwise_as_f32_gathers() {
             if list.contains("bucket") {
                 // `bucket` merges as many collectives as when every gather moves f32: the
                 // block's shards are cast before its first gather.
-                let merged = |t: &Trainer| {
-                    let r = t.passes.iter().find(|r| r.pass == "bucket").unwrap();
-                    let m = r
-                        .report
-                        .metrics
-                        .iter()
-                        .find(|m| m.0 == "bucket.collectives_before");
-                    m.map(|m| m.1)
-                };
+                let merged = |t: &Trainer| pass_metric(t, "bucket", "bucket.collectives_before");
                 let f32_gathers = build_in(
                     Backend::Cpu,
                     Some(&threads_on(mesh)),

@@ -1,10 +1,12 @@
 //! `gather_bf16`: FSDP under mixed precision gathers each weight as bf16, not f32 (torchtitan's
-//! `param_dtype=bfloat16`): half the bytes on the wire.
+//! `param_dtype=bfloat16`): half the bytes on a network. MPI and emulated links carry a bf16
+//! element in 2 bytes; the threads launcher copies, and NCCL moves, its 4-byte slot.
 //!
 //! `parallelize` gathers a sharded parameter where it is read, and under `bf16-mixed` the reader
 //! is autocast's cast of the weight to bf16 for its matmul: the f32 weight crosses the network
 //! and each rank rounds the gathered copy. Rounding is elementwise, so rounding the shard first
-//! and gathering the rounded values gives every rank the same bits with half the bytes moved.
+//! and gathering the rounded values gives every rank the same bits, in half the bytes where the
+//! transport carries bf16 as 2 bytes.
 //!
 //! Changes: an all-gather of an f32 value whose result is read only by casts to bf16 (directly
 //! or through transposes and reshapes, as a Linear's weight is) gathers the bf16 cast of its
@@ -26,7 +28,7 @@ use graphtrain_ir::{Collective, DType, Graph, Op};
 pub const INFO: PassInfo = PassInfo {
     name: "gather_bf16",
     tier: Tier::Preserving,
-    summary: "gather weights that are only read as bf16 as bf16 (half the bytes of f32)",
+    summary: "gather weights that are only read as bf16 as bf16 (half the bytes over MPI and links)",
     contract: "An all-gather of an f32 value whose every reader is a cast to bf16 (a weight \
 gathered for mixed precision's matmuls) gathers the bf16 cast of its shard instead, and the \
 readers of the casts read the gathered bf16 (through the transposes and reshapes between). Tier 1: the same bits (rounding is elementwise). \
@@ -192,7 +194,8 @@ impl Pass for GatherBf16 {
         }
         let out = rb.finish();
         report.change(format!(
-            "{sites} all-gathers move bf16 instead of f32: {} -> {} bytes gathered per step",
+            "{sites} all-gathers move bf16 instead of f32: {} -> {} bytes gathered per step over MPI \
+or an emulated link (the threads launcher and NCCL still copy 4-byte slots)",
             bytes_before,
             bytes_before / 2
         ));
