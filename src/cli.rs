@@ -64,7 +64,9 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     about = "Compiles a model's whole train step into one dataflow graph and runs it",
     after_help = "Environment (read by `run` and `bench`):\n  \
 GRAPHTRAIN_PROFILE=1|steps          wait for and time every step, by kind or one by one\n  \
-GRAPHTRAIN_GEMM_KERNEL=avx2|scalar  a narrower GEMM kernel than the cpu's widest, to measure it\n  \
+GRAPHTRAIN_GEMM_KERNEL=avx512|avx2|scalar\n  \
+                                    a narrower GEMM kernel than the cpu's widest, to measure it\n  \
+                                    (avx512: no AMX tiles for bf16 matmuls)\n  \
 GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)\n  \
 GRAPHTRAIN_DEVICE_BUFFER_MIB=N      the most one wgpu or cuda buffer holds (default: the device's\n  \
                                     limit); a larger arena is split across buffers\n\n\
@@ -796,8 +798,8 @@ impl LoweringMode {
 }
 
 /// The runtime settings the environment gives: `GRAPHTRAIN_PROFILE` (`1`: time every step by
-/// kind; `steps`: each step on its own line), `GRAPHTRAIN_GEMM_KERNEL` (`avx2` or `scalar`: a
-/// narrower GEMM kernel, for benchmarking it), `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
+/// kind; `steps`: each step on its own line), `GRAPHTRAIN_GEMM_KERNEL` (`avx512`, `avx2` or
+/// `scalar`: a narrower GEMM kernel, for benchmarking it), `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
 /// run may allocate, instead of what the OS reports available) and
 /// `GRAPHTRAIN_DEVICE_BUFFER_MIB` (the most one wgpu or cuda buffer may hold, below the
 /// device's limit: a larger arena is split across buffers). The CLI is the only place that
@@ -931,6 +933,12 @@ impl TrainArgs {
     /// `--precision`, checked.
     pub(crate) fn precision(&self) -> Result<Precision, String> {
         Precision::parse(&self.precision).map_err(|e| format!("--precision: {e}"))
+    }
+
+    /// The GEMM kernel: `--tuning`'s `gemm`, else `GRAPHTRAIN_GEMM_KERNEL`'s.
+    pub(crate) fn gemm_kernel(&self) -> Result<GemmKernel, String> {
+        let tuned = self.tuning_with("")?.gemm;
+        Ok(tuned.unwrap_or(runtime_options_from_env()?.gemm_kernel))
     }
 
     /// `--tuning`, then `more` (later entries win).
@@ -1789,11 +1797,12 @@ fn hardware_and_links(
     let hw = if hardware == "this-cpu" {
         let c = crate::sim::calibrate::this_cpu()?;
         say!(
-            "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), causal attention {:.1} GFLOP/s, memory {:.1} GB/s, a launch {:.1} us",
+            "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), in bf16 {:.1} GFLOP/s, causal attention {:.1} GFLOP/s, memory {:.1} GB/s, a launch {:.1} us",
             c.gemm_gflops,
             100.0 * c.hardware.efficiency.matmul,
             c.hardware.peak_gflops_f32,
             c.peak_source,
+            c.bf16_gemm_gflops,
             c.attention_gflops,
             c.memory_gbps,
             c.launch_us
@@ -2513,7 +2522,12 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         None => None,
     };
     let peak = mesh_peak(
-        crate::peak::peak_in(&a.train.backend, a.train.peak_gflops, a.train.precision()?),
+        crate::peak::peak_in(
+            &a.train.backend,
+            a.train.peak_gflops,
+            a.train.precision()?,
+            a.train.gemm_kernel()?,
+        ),
         mesh.as_ref(),
     );
     let metrics = match a.metrics.as_ref().filter(|_| speaks_for_the_job()) {
@@ -2725,7 +2739,12 @@ fn bench(a: BenchArgs, registry: &Registry) -> Result<(), String> {
             &a.train.backend,
         ),
         mesh_peak(
-            crate::peak::peak_in(&a.train.backend, a.train.peak_gflops, a.train.precision()?),
+            crate::peak::peak_in(
+                &a.train.backend,
+                a.train.peak_gflops,
+                a.train.precision()?,
+                a.train.gemm_kernel()?,
+            ),
             mesh.as_ref(),
         ),
         |m| {

@@ -256,20 +256,35 @@ pub fn peak(backend: &str, given: Option<f64>) -> Option<Peak> {
 }
 
 /// The peak `mfu` is reported against for a step in `precision`: `peak` for f32; for
-/// bf16-mixed on `cpu`, twice the f32 peak where the cpu has AVX512_BF16 (one `vdpbf16ps` does
-/// two multiply-adds per f32 lane, in the FMA pipes) and its matmuls run on it, else the f32 peak
+/// bf16-mixed on `cpu`, the peak of the unit its matmuls run on (`kernel` as the GEMM picks):
+/// AMX tiles, 16 times the f32 peak (a `tdpbf16ps` is 16 x 16 x 32 multiply-adds, one issued
+/// every 16 cycles per core: 1,024 FLOP per cycle against AVX-512's 64); AVX512_BF16, twice
+/// (one `vdpbf16ps` does two multiply-adds per f32 lane, in the FMA pipes); else the f32 peak
 /// (the bf16 matmuls then run as f32 FMAs). Every FLOP of the step counts against it, attention
-/// and the other f32 work included, as torch's and Megatron's MFU do. AMX is not used.
+/// and the other f32 work included, as torch's and Megatron's MFU do: under AMX, where the
+/// matmuls' peak is far above the rest's, MFU is small by construction.
 pub fn peak_in(
     backend: &str,
     given: Option<f64>,
     precision: graphtrain_ir::autocast::Precision,
+    kernel: graphtrain_runtime::GemmKernel,
 ) -> Option<Peak> {
+    use graphtrain_runtime::cpu::{gemm_amx, gemm_bf16};
+    use graphtrain_runtime::GemmKernel;
     let f32_peak = peak(backend, given)?;
     if precision == graphtrain_ir::autocast::Precision::F32 || given.is_some() {
         return Some(f32_peak);
     }
-    if backend == "cpu" && graphtrain_runtime::cpu::gemm_bf16::available() {
+    let bf16_kernel = matches!(kernel, GemmKernel::Widest | GemmKernel::Avx512);
+    if backend == "cpu" && kernel == GemmKernel::Widest && gemm_amx::available() {
+        Some(Peak {
+            gflops: 16.0 * f32_peak.gflops,
+            source: format!(
+                "bf16: 16 x the f32 peak, {} (AMX: a tdpbf16ps does 16 x 16 x 32 bf16 products per 16 cycles per core)",
+                f32_peak.source
+            ),
+        })
+    } else if backend == "cpu" && bf16_kernel && gemm_bf16::available() {
         Some(Peak {
             gflops: 2.0 * f32_peak.gflops,
             source: format!(

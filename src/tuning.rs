@@ -58,9 +58,14 @@ impl Tuning {
                 "gemm" => {
                     t.gemm = Some(match value {
                         "widest" => GemmKernel::Widest,
+                        "avx512" => GemmKernel::Avx512,
                         "avx2" => GemmKernel::Avx2,
                         "scalar" => GemmKernel::Portable,
-                        _ => return Err(format!("`{entry}`: `gemm` takes widest, avx2 or scalar")),
+                        _ => {
+                            return Err(format!(
+                                "`{entry}`: `gemm` takes widest, avx512, avx2 or scalar"
+                            ))
+                        }
                     })
                 }
                 "device_matmul" => {
@@ -150,7 +155,7 @@ mod tests {
         assert_eq!(Tuning::parse("").unwrap(), Tuning::default());
         for (bad, why) in [
             ("gemm", "`name=value`"),
-            ("gemm=avx9", "widest, avx2 or scalar"),
+            ("gemm=avx9", "widest, avx512, avx2 or scalar"),
             ("fusion.max_expr_nodes=many", "whole number"),
             ("threads_per_rank=0", "at least 1"),
             ("blocks=8", "unknown setting `blocks`"),

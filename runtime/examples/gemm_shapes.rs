@@ -1,6 +1,7 @@
 //! GFLOP/s of the native GEMM on the shapes `peer`'s train step runs (from its profile), called
 //! directly on host buffers, on one thread and on the pool's full width.
-//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS]`
+//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS] [KERNEL]`, KERNEL
+//! `f32` (the default), `vdpbf16ps` or `amx` (the bf16 GEMM's tiles, where the cpu has them).
 //!
 //! This machine's speed drifts by up to 1.5x within seconds (a shared host: a register-only FMA
 //! loop measured 92-153 GFLOP/s per core within a minute), so compare two builds by alternating
@@ -8,6 +9,8 @@
 //! (docs/benchmarks.md).
 
 use graphtrain_runtime::cpu::gemm::{sgemm, Layout};
+use graphtrain_runtime::cpu::gemm_amx;
+use graphtrain_runtime::cpu::gemm_bf16::{self, Bf16Tiles};
 use std::time::Instant;
 
 /// (label, m, n, k, A stored transposed, B stored transposed)
@@ -38,6 +41,17 @@ fn main() {
         Some(t) => vec![t.parse().expect("THREADS must be a number")],
         None => vec![1, width],
     };
+    let tiles = match std::env::args().nth(2).as_deref() {
+        None | Some("f32") => None,
+        Some("vdpbf16ps") => Some(Bf16Tiles::Vdpbf16ps),
+        Some("amx") => Some(Bf16Tiles::Amx),
+        Some(other) => panic!("KERNEL is f32, vdpbf16ps or amx, not {other}"),
+    };
+    match tiles {
+        Some(Bf16Tiles::Amx) => assert!(gemm_amx::available(), "this cpu runs no AMX tiles"),
+        Some(Bf16Tiles::Vdpbf16ps) => assert!(gemm_bf16::available(), "no AVX512_BF16 here"),
+        None => {}
+    }
     for &(label, m, n, k, ta, tb) in SHAPES {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
@@ -53,18 +67,11 @@ fn main() {
             // SAFETY: a, b and c hold exactly the m x k, k x n and m x n elements the layouts
             // address, and c overlaps neither.
             let run = |c: &mut [f32]| unsafe {
-                sgemm(
-                    1,
-                    m,
-                    n,
-                    k,
-                    a.as_ptr(),
-                    la,
-                    b.as_ptr(),
-                    lb,
-                    c.as_mut_ptr(),
-                    t,
-                )
+                let (pa, pb, pc) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+                match tiles {
+                    Some(tiles) => gemm_bf16::gemm_bf16(tiles, 1, m, n, k, pa, la, pb, lb, pc, t),
+                    None => sgemm(1, m, n, k, pa, la, pb, lb, pc, t),
+                }
             };
             for _ in 0..3 {
                 run(&mut c);

@@ -129,9 +129,13 @@ pub unsafe fn sgemm_with(
 /// Which register-tiled kernel the GEMM runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GemmKernel {
-    /// The widest the cpu has: AVX-512, else AVX2 with FMA, else portable.
+    /// The widest the cpu has: AVX-512, else AVX2 with FMA, else portable; for bf16 matmuls
+    /// AMX tiles where the cpu has them, else `vdpbf16ps` where it has AVX512_BF16.
     #[default]
     Widest,
+    /// The widest without AMX tiles (bf16 matmuls on `vdpbf16ps`): for measuring the AVX-512
+    /// kernels on an AMX cpu.
+    Avx512,
     /// The AVX2 kernel where the cpu has AVX2 and FMA, else the widest: for measuring it on an
     /// AVX-512 cpu.
     Avx2,
@@ -140,10 +144,11 @@ pub enum GemmKernel {
 }
 
 impl GemmKernel {
-    /// `avx2` and `scalar` (the values of the CLI's `GRAPHTRAIN_GEMM_KERNEL`); anything else
-    /// is the widest.
+    /// `avx512`, `avx2` and `scalar` (the values of the CLI's `GRAPHTRAIN_GEMM_KERNEL`);
+    /// anything else is the widest.
     pub fn from_setting(value: &str) -> GemmKernel {
         match value {
+            "avx512" => GemmKernel::Avx512,
             "avx2" => GemmKernel::Avx2,
             "scalar" => GemmKernel::Portable,
             _ => GemmKernel::Widest,
@@ -153,7 +158,7 @@ impl GemmKernel {
     fn path(self) -> Path {
         let widest = widest_path();
         match self {
-            GemmKernel::Widest => widest,
+            GemmKernel::Widest | GemmKernel::Avx512 => widest,
             GemmKernel::Portable => Path::Scalar,
             #[cfg(target_arch = "x86_64")]
             GemmKernel::Avx2 if widest != Path::Scalar => Path::Avx2,

@@ -1,4 +1,5 @@
-//! GEMM of bf16 operands with AVX512_BF16 (`vdpbf16ps`), for the matmuls of a bf16-mixed step.
+//! GEMM of bf16 operands with AVX512_BF16 (`vdpbf16ps`) or AMX tiles (`gemm_amx.rs`), for the
+//! matmuls of a bf16-mixed step.
 //!
 //! Contract:
 //! * `C[b] = A[b] @ B[b]` as f32 sums, C contiguous row-major, overwritten; the caller rounds C
@@ -9,15 +10,18 @@
 //! * Every C element is one chain over k in pairs: `acc += a[2p] b[2p] + a[2p+1] b[2p+1]` for
 //!   p = 0, 1, ..., one `vdpbf16ps` per pair (k odd: a zero pads the last pair). Threads split
 //!   batch x m x n, never k, so the bits depend neither on the thread count nor on the
-//!   scheduling. They
-//!   differ from the f32 GEMM's chain (one FMA per k), by rounding only.
-//! * Runs where the cpu has AVX-512F and AVX512_BF16 (`available`); elsewhere the caller runs
-//!   the f32 GEMM on the same values.
+//!   scheduling. They differ from the f32 GEMM's chain (one FMA per k), by rounding only. AMX
+//!   tiles (`Bf16Tiles::Amx`) sum each 16-pair chunk their own way: deterministic too, and
+//!   different from `vdpbf16ps` by rounding (`gemm_amx.rs`).
+//! * Runs where the cpu has AVX-512F and AVX512_BF16 (`available`), on AMX where it also has
+//!   that (`Bf16Tiles::widest`); elsewhere the caller runs the f32 GEMM on the same values.
 //!
 //! Tiles: 12 rows x 32 columns of C in 24 registers; B is packed once per call into 32-column
 //! panels of k pairs (a panel of `k` = 1536 is 96 KiB, in L2), A per task into row pairs.
 
+use super::bf16_pack::{self, neighbours, pair, side_by_side};
 use super::gemm::Layout;
+use super::gemm_amx;
 use super::pool::{Pool, TaskPtr};
 use std::cell::RefCell;
 use std::thread::LocalKey;
@@ -25,7 +29,8 @@ use std::thread::LocalKey;
 /// Rows and columns of one register tile.
 const MR: usize = 12;
 const NR: usize = 32;
-/// Rows of C one task computes (a multiple of `MR`): its packed A, 96 x k pairs, stays in L2.
+/// Rows of C one task computes (a multiple of `MR` and of AMX's 32-row blocks): its packed A,
+/// 96 x k pairs, stays in L2.
 const ROWS_PER_TASK: usize = 96;
 
 /// Whether this cpu runs the bf16 kernel.
@@ -40,56 +45,22 @@ pub fn available() -> bool {
     }
 }
 
-/// The bf16 pair (x0, x1), each rounded to bf16, as one 32-bit lane: x0 in the low half, as
-/// `vdpbf16ps` reads it.
-fn pair(x0: f32, x1: f32) -> u32 {
-    let bits = |x: f32| graphtrain_ir::host_tensor::round_bf16(x).to_bits();
-    (bits(x0) >> 16) | (bits(x1) & 0xFFFF_0000)
+/// Which tiles compute C: AVX-512 registers (`vdpbf16ps`), or AMX tile registers where
+/// `gemm_amx::available()` (the same bits: the module's contract).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Tiles {
+    Vdpbf16ps,
+    Amx,
 }
 
-/// `out[i] = pair(x0[i], x1[i])`, with zeros for a missing `x1` (an odd k's last pair): two
-/// rows (or columns) of an operand that hold pairs' first and second elements side by side.
-fn side_by_side(x0: &[f32], x1: Option<&[f32]>, out: &mut [u32]) {
-    let len = out.len();
-    assert!(x0.len() >= len && x1.is_none_or(|x1| x1.len() >= len));
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    while done < len {
-        let live = (len - done).min(16);
-        // SAFETY: `gemm_bf16`'s caller checked `available()`; the masks touch `live` lanes from
-        // `done`, inside the slices (asserted above).
-        unsafe {
-            simd::side_by_side_16(
-                x0.as_ptr().add(done),
-                x1.map(|x1| x1.as_ptr().add(done)),
-                out.as_mut_ptr().add(done),
-                live,
-            )
-        };
-        done += live;
-    }
-    for i in done..len {
-        out[i] = pair(x0[i], x1.map_or(0.0, |x1| x1[i]));
-    }
-}
-
-/// `out[p * stride] = pair(x[2p], x[2p + 1])` for every pair of `x` (a zero after an odd last
-/// element): a row (or column) of an operand whose neighbours are pairs.
-fn neighbours(x: &[f32], out: &mut [u32], stride: usize) {
-    let pairs = x.len().div_ceil(2);
-    assert!(pairs == 0 || out.len() > (pairs - 1) * stride);
-    let mut p = 0;
-    #[cfg(target_arch = "x86_64")]
-    while p + 16 <= x.len() / 2 {
-        // SAFETY: as in `side_by_side`; 32 elements from 2p are inside `x`.
-        let lanes = unsafe { simd::neighbours_16(x.as_ptr().add(2 * p)) };
-        for (q, lane) in lanes.into_iter().enumerate() {
-            out[(p + q) * stride] = lane;
+impl Bf16Tiles {
+    /// AMX where the cpu runs it, else `vdpbf16ps`.
+    pub fn widest() -> Bf16Tiles {
+        if gemm_amx::available() {
+            Bf16Tiles::Amx
+        } else {
+            Bf16Tiles::Vdpbf16ps
         }
-        p += 16;
-    }
-    for q in p..pairs {
-        out[q * stride] = pair(x[2 * q], x.get(2 * q + 1).copied().unwrap_or(0.0));
     }
 }
 
@@ -97,9 +68,11 @@ fn neighbours(x: &[f32], out: &mut [u32], stride: usize) {
 ///
 /// # Safety
 /// `a`, `b` and `c` must address every element their layouts and shapes name; `c` must not
-/// overlap `a` or `b`; `available()` must be true.
+/// overlap `a` or `b`; `available()` must be true, and `gemm_amx::available()` for
+/// `Bf16Tiles::Amx`.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_bf16(
+    tiles: Bf16Tiles,
     batch: usize,
     m: usize,
     n: usize,
@@ -114,9 +87,21 @@ pub unsafe fn gemm_bf16(
     if batch == 0 || m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        // SAFETY: C holds `batch * m * n` elements (the caller's contract).
+        unsafe { std::ptr::write_bytes(c, 0, batch * m * n) };
+        return;
+    }
+    let amx = tiles == Bf16Tiles::Amx;
     let pairs = k.div_ceil(2);
     let panels = n.div_ceil(NR);
-    let panel_len = pairs * NR;
+    // AMX reads B's panels in whole tiles of 16 pairs: the rows past k's pairs are zeros.
+    let panel_pairs = if amx {
+        gemm_amx::padded_pairs(k)
+    } else {
+        pairs
+    };
+    let panel_len = panel_pairs * NR;
     // B shared by every batch (a weight) is packed once.
     let b_batches = if lb.batch_stride == 0 { 1 } else { batch };
     let mut packed_b = take_buffer(&PACKED_B, b_batches * panels * panel_len);
@@ -160,6 +145,28 @@ pub unsafe fn gemm_bf16(
                 side_by_side(r0, r1, out);
             }
         } else if lb.row_stride == 1 {
+            // Transposed B: each column's k elements are neighbours; 16 columns x 16 pairs at
+            // a time turn into the panel's rows.
+            #[cfg(target_arch = "x86_64")]
+            for first in (0..pairs).step_by(16) {
+                for lane in (0..cols).step_by(16) {
+                    // SAFETY: columns lane.. (live ones) hold k elements from `origin`; the
+                    // panel holds rows first..first + 16 (when < pairs) of NR lanes.
+                    unsafe {
+                        bf16_pack::rows_to_columns(
+                            bp.at(origin + lane * lb.col_stride),
+                            lb.col_stride,
+                            k,
+                            first,
+                            (cols - lane).min(16),
+                            (pairs - first).min(16),
+                            dst.as_mut_ptr().add(first * NR + lane),
+                            NR,
+                        )
+                    };
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
             for lane in 0..cols {
                 // SAFETY: column `panel * NR + lane` holds k elements from its start.
                 let col =
@@ -174,6 +181,7 @@ pub unsafe fn gemm_bf16(
                 }
             }
         }
+        dst[pairs * NR..].fill(0);
     });
     let row_blocks = m.div_ceil(ROWS_PER_TASK);
     // Columns are split too where rows alone would leave a thread idle (a weight gradient of
@@ -192,6 +200,25 @@ pub unsafe fn gemm_bf16(
         let task_panels = group * panels_per_group..((group + 1) * panels_per_group).min(panels);
         let rows = block * ROWS_PER_TASK..((block + 1) * ROWS_PER_TASK).min(m);
         let height = rows.len();
+        let b_batch = if b_batches == 1 { 0 } else { bi };
+        if amx {
+            // SAFETY: as the register path below: this task's rows of A, its panels' columns
+            // of C; `gemm_amx::available()` (the caller's contract).
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                amx_task(
+                    ap.at(bi * la.batch_stride + rows.start * la.row_stride),
+                    la,
+                    height,
+                    k,
+                    &b_packed[b_batch * panels * panel_len..][..panels * panel_len],
+                    task_panels,
+                    n,
+                    cp.at(bi * m * n + rows.start * n),
+                )
+            };
+            return;
+        }
         // A's rows of this task in pairs, in whole tiles (rows past `height` are never stored).
         let tiles = height.div_ceil(MR);
         let mut packed_a = take_buffer(&PACKED_A, tiles * MR * pairs);
@@ -241,7 +268,6 @@ pub unsafe fn gemm_bf16(
                 }
             }
         }
-        let b_batch = if b_batches == 1 { 0 } else { bi };
         for panel in task_panels.clone() {
             let b_panel = &b_packed[(b_batch * panels + panel) * panel_len..][..panel_len];
             let cols = (n - panel * NR).min(NR);
@@ -263,6 +289,64 @@ pub unsafe fn gemm_bf16(
         keep_buffer(&PACKED_A, packed_a);
     });
     keep_buffer(&PACKED_B, packed_b);
+}
+
+/// One task's `height` rows of C (from `c`, row stride `n`) over `panels` of B, on AMX tiles:
+/// A's rows (from `a`) packed once, then 32 x 32 blocks, each over the whole of k.
+///
+/// # Safety
+/// As `gemm_bf16`'s: `a` addresses the rows, `c` the task's rows of C alone;
+/// `gemm_amx::available()`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn amx_task(
+    a: *const f32,
+    la: Layout,
+    height: usize,
+    k: usize,
+    b_panels: &[u32],
+    panels: std::ops::Range<usize>,
+    n: usize,
+    c: *mut f32,
+) {
+    use gemm_amx::{BLOCK_COLS, BLOCK_ROWS, TILE_PAIRS};
+    let chunks = gemm_amx::padded_pairs(k) / TILE_PAIRS;
+    let blocks = height.div_ceil(BLOCK_ROWS);
+    let block_len = BLOCK_ROWS * chunks * TILE_PAIRS;
+    let mut packed_a = take_buffer(&PACKED_A, blocks * block_len);
+    // SAFETY: the caller's contract.
+    unsafe { gemm_amx::pack_a(a, la, height, k, &mut packed_a) };
+    let panel_len = chunks * TILE_PAIRS * NR;
+    // SAFETY: `gemm_amx::available()` (the caller's contract).
+    let tiles = unsafe { gemm_amx::Tiles::configure() };
+    let mut edge = [0f32; BLOCK_ROWS * BLOCK_COLS];
+    for panel in panels {
+        let b_panel = b_panels[panel * panel_len..][..panel_len].as_ptr();
+        let cols = (n - panel * NR).min(NR);
+        for block in 0..blocks {
+            let a_block = packed_a[block * block_len..].as_ptr();
+            let live_rows = (height - block * BLOCK_ROWS).min(BLOCK_ROWS);
+            // SAFETY: the block's rows and the panel's columns of C are this task's; a block
+            // past C's edge is stored whole into `edge`, then its live part copied.
+            unsafe {
+                let at = c.add(block * BLOCK_ROWS * n + panel * NR);
+                if live_rows == BLOCK_ROWS && cols == BLOCK_COLS {
+                    tiles.block(a_block, b_panel, chunks, at, n);
+                } else {
+                    tiles.block(a_block, b_panel, chunks, edge.as_mut_ptr(), BLOCK_COLS);
+                    for r in 0..live_rows {
+                        std::ptr::copy_nonoverlapping(
+                            edge.as_ptr().add(r * BLOCK_COLS),
+                            at.add(r * n),
+                            cols,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    drop(tiles);
+    keep_buffer(&PACKED_A, packed_a);
 }
 
 std::thread_local! {
@@ -342,140 +426,20 @@ unsafe fn tile_12x32(
     }
 }
 
-/// Packing 16 pairs at a time: `round_bf16` on integer lanes (so denormals round as the cast
-/// kernels round them, which `vcvtne2ps2bf16` would flush), then each pair's two high halves
-/// into one lane.
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::*;
-
-    /// `round_bf16`'s bits of 16 lanes: nearest, ties to even, NaN kept as it is.
-    #[target_feature(enable = "avx512f")]
-    fn rounded(x: __m512i) -> __m512i {
-        let kept_low = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-        let bias = _mm512_add_epi32(kept_low, _mm512_set1_epi32(0x7FFF));
-        let r = _mm512_and_si512(_mm512_add_epi32(x, bias), _mm512_set1_epi32(-65536));
-        let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
-        let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
-        _mm512_mask_blend_epi32(nan, r, x)
-    }
-
-    /// `pair` of each lane of `x0` and `x1`.
-    #[target_feature(enable = "avx512f")]
-    fn paired(x0: __m512i, x1: __m512i) -> __m512i {
-        _mm512_or_si512(
-            _mm512_srli_epi32::<16>(rounded(x0)),
-            _mm512_and_si512(rounded(x1), _mm512_set1_epi32(-65536)),
-        )
-    }
-
-    /// `out[i] = pair(x0[i], x1[i])` (zero for a missing `x1`) for the first `live` (<= 16) lanes.
-    ///
-    /// # Safety
-    /// `live` elements must be readable from `x0` (and `x1`) and writable at `out`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn side_by_side_16(
-        x0: *const f32,
-        x1: Option<*const f32>,
-        out: *mut u32,
-        live: usize,
-    ) {
-        let mask = if live >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << live) - 1) as __mmask16
-        };
-        // SAFETY: the masked lanes are inside the caller's slices.
-        unsafe {
-            let a = _mm512_maskz_loadu_epi32(mask, x0 as *const i32);
-            let b = match x1 {
-                Some(x1) => _mm512_maskz_loadu_epi32(mask, x1 as *const i32),
-                None => _mm512_setzero_si512(),
-            };
-            _mm512_mask_storeu_epi32(out as *mut i32, mask, paired(a, b));
-        }
-    }
-
-    /// `pair(x[2q], x[2q + 1])` for q in 0..16.
-    ///
-    /// # Safety
-    /// 32 elements must be readable from `x`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn neighbours_16(x: *const f32) -> [u32; 16] {
-        // SAFETY: 32 elements from `x` (the caller's contract).
-        let (lo, hi) = unsafe {
-            (
-                _mm512_loadu_si512(x as *const _),
-                _mm512_loadu_si512(x.add(16) as *const _),
-            )
-        };
-        // Even elements (pairs' first) and odd ones (second) of the 32, in pair order.
-        let evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        let odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-        let first = _mm512_permutex2var_epi32(lo, evens, hi);
-        let second = _mm512_permutex2var_epi32(lo, odds, hi);
-        let mut lanes = [0u32; 16];
-        // SAFETY: `lanes` holds 16 lanes.
-        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, paired(first, second)) };
-        lanes
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use graphtrain_ir::host_tensor::round_bf16;
 
-    /// The vector packing paths give `pair`'s bits, lane for lane, on the values rounding
-    /// treats specially: ties (to even, both ways), denormals (rounded, not flushed), NaN (kept,
-    /// payload and all), infinities, the largest finite values (which round to infinity), -0.
-    #[test]
-    fn vector_packing_rounds_as_pair_does() {
-        if !available() {
-            eprintln!("skipping: this cpu has no AVX512_BF16");
-            return;
+    /// The tiles this cpu runs: `vdpbf16ps`, and AMX where it has it.
+    fn tile_kinds() -> Vec<Bf16Tiles> {
+        let mut kinds = vec![Bf16Tiles::Vdpbf16ps];
+        if gemm_amx::available() {
+            kinds.push(Bf16Tiles::Amx);
+        } else {
+            eprintln!("this cpu has no AMX: testing the vdpbf16ps tiles only");
         }
-        let special = [
-            0x3F80_8000u32, // 1 + 2^-8: a tie, kept part even: down
-            0x3F81_8000,    // a tie, kept part odd: up
-            0x3F80_8001,    // just above a tie: up
-            0x0000_8000,    // a denormal tie
-            0x0001_7FFF,    // a denormal below a tie
-            0x007F_FFFF,    // the largest denormal: up to the smallest normal
-            0x7FC0_1234,    // a quiet NaN with a payload in the dropped half
-            0x7FFF_FFFF,    // a NaN that rounding would carry into the sign (-0)
-            0xFFBF_FFFF,    // a NaN that rounding would carry into its kept half
-            0xFF80_0001,    // a signalling NaN
-            0x7F80_0000,    // infinity
-            0x7F7F_FFFF,    // the largest finite: up to infinity
-            0x8000_0000,    // -0
-            0xBF7F_7FFF,
-        ];
-        let xs: Vec<f32> = (0..77)
-            .map(|i| f32::from_bits(special[i % special.len()] ^ ((i as u32 / 12) << 24)))
-            .collect();
-        for len in [0, 1, 12, 16, 17, 33, 70] {
-            let (x0, x1) = (&xs[..len], &xs[3..3 + len]);
-            let mut got = vec![0u32; len];
-            side_by_side(x0, Some(x1), &mut got);
-            let want: Vec<u32> = x0.iter().zip(x1).map(|(&a, &b)| pair(a, b)).collect();
-            assert_eq!(got, want, "side by side, {len} lanes");
-            side_by_side(x0, None, &mut got);
-            let want: Vec<u32> = x0.iter().map(|&a| pair(a, 0.0)).collect();
-            assert_eq!(got, want, "side by side with no second row, {len} lanes");
-            let pairs = len.div_ceil(2);
-            let stride = 3;
-            let mut got = vec![0u32; pairs * stride];
-            neighbours(x0, &mut got, stride);
-            for q in 0..pairs {
-                let want = pair(x0[2 * q], x0.get(2 * q + 1).copied().unwrap_or(0.0));
-                assert_eq!(
-                    got[q * stride],
-                    want,
-                    "neighbours, {len} elements, pair {q}"
-                );
-            }
-        }
+        kinds
     }
 
     /// Against a naive f64 sum of the operands rounded to bf16: within f32 rounding, at odd
@@ -540,11 +504,12 @@ mod tests {
                 })
                 .collect();
             let mut runs = Vec::new();
-            for threads in [1, 3] {
+            for (tiles, threads) in tile_kinds().into_iter().flat_map(|t| [(t, 1), (t, 3)]) {
                 let mut c = vec![f32::NAN; batch * m * n];
                 // SAFETY: the buffers hold what the shapes name.
                 unsafe {
                     gemm_bf16(
+                        tiles,
                         batch,
                         m,
                         n,
@@ -561,12 +526,18 @@ mod tests {
                     let scale: f64 = (0..k).map(|_| 4.0).sum::<f64>().max(1.0);
                     assert!(
                         (got as f64 - want).abs() <= 1e-6 * scale,
-                        "({batch},{m},{n},{k}) element {idx}: {got} vs {want}"
+                        "{tiles:?} ({batch},{m},{n},{k}) element {idx}: {got} vs {want}"
                     );
                 }
-                runs.push(c.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                runs.push((tiles, c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()));
             }
-            assert_eq!(runs[0], runs[1], "the bits depend on the thread count");
+            for pair in runs.chunks(2) {
+                assert!(
+                    pair[0].1 == pair[1].1,
+                    "{:?} ({batch},{m},{n},{k}): the bits depend on the thread count",
+                    pair[0].0
+                );
+            }
         }
     }
 }

@@ -16,8 +16,10 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod bf16_pack;
 pub mod cross_entropy;
 pub mod gemm;
+pub mod gemm_amx;
 pub mod gemm_bf16;
 pub mod pool;
 pub mod replay;
@@ -278,9 +280,15 @@ shape {:?} strides {:?}",
         // output over a live operand.
         let (pa, pb, pc) = unsafe { (self.base.add(ao), self.base.add(bo), self.base.add(co)) };
         let (la, lb, threads) = (layout(a), layout(b), units() as usize);
-        if bf16 && self.gemm == gemm::GemmKernel::Widest && gemm_bf16::available() {
-            // SAFETY: as above. Its packing rounds every operand to bf16.
-            unsafe { gemm_bf16::gemm_bf16(batch, m, n, k, pa, la, pb, lb, pc, threads) };
+        let bf16_tiles = match self.gemm {
+            gemm::GemmKernel::Widest => Some(gemm_bf16::Bf16Tiles::widest()),
+            gemm::GemmKernel::Avx512 => Some(gemm_bf16::Bf16Tiles::Vdpbf16ps),
+            _ => None,
+        };
+        if let Some(tiles) = bf16_tiles.filter(|_| bf16 && gemm_bf16::available()) {
+            // SAFETY: as above; `widest` picks AMX only where it is available. Its packing
+            // rounds every operand to bf16.
+            unsafe { gemm_bf16::gemm_bf16(tiles, batch, m, n, k, pa, la, pb, lb, pc, threads) };
         } else {
             // The f32 GEMM reads operands as they are: f32 operands of a bf16 product (a cast
             // fusion folded into it) are rounded into a copy first.
@@ -300,9 +308,7 @@ shape {:?} strides {:?}",
             // A bf16 product: its f32 sums rounded once to bf16, as the interpreter rounds it.
             // SAFETY: the output's `batch * m * n` elements lie inside the arena (as above).
             let c = unsafe { std::slice::from_raw_parts_mut(self.base.add(co), batch * m * n) };
-            for x in c {
-                *x = graphtrain_ir::host_tensor::round_bf16(*x);
-            }
+            bf16_pack::round_in_place(c);
         }
         Ok(())
     }
