@@ -69,7 +69,9 @@ fn main() {
             let run = |c: &mut [f32]| unsafe {
                 let (pa, pb, pc) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
                 match tiles {
-                    Some(tiles) => gemm_bf16::gemm_bf16(tiles, 1, m, n, k, pa, la, pb, lb, pc, t),
+                    Some(tiles) => {
+                        gemm_bf16::gemm_bf16(tiles, 1, m, n, k, pa, la, pb, lb, pc, t, true)
+                    }
                     None => sgemm(1, m, n, k, pa, la, pb, lb, pc, t),
                 }
             };

@@ -79,6 +79,26 @@ pub fn round_in_place(x: &mut [f32]) {
     }
 }
 
+/// `round_in_place` of `rows` rows of `cols` elements from `x`, `stride` apart (a stored tile
+/// of C, while it is in L1).
+///
+/// # Safety
+/// Those elements readable and writable.
+pub unsafe fn round_rows(x: *mut f32, stride: usize, rows: usize, cols: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        for r in 0..rows {
+            // SAFETY: row r's `cols` elements (the caller's contract); AVX-512F is present.
+            unsafe { simd::round_in_place(x.add(r * stride), cols) };
+        }
+        return;
+    }
+    for r in 0..rows {
+        // SAFETY: row r's `cols` elements (the caller's contract).
+        round_in_place(unsafe { std::slice::from_raw_parts_mut(x.add(r * stride), cols) });
+    }
+}
+
 /// A 16 x 16 block of pairs from an operand whose k runs down its columns: element (r, kk) at
 /// `x + r + kk * col_stride`. Writes rows r = 0..16 (live rows: `rows`; the rest zero) of pairs
 /// `first..first + 16` (zeros past k's) at `out + r * out_stride`, 16 lanes each.
@@ -196,6 +216,7 @@ mod simd {
 
     /// # Safety
     /// `len` elements readable and writable at `x`.
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn round_in_place(x: *mut f32, len: usize) {
         let mut done = 0;

@@ -285,10 +285,14 @@ shape {:?} strides {:?}",
             gemm::GemmKernel::Avx512 => Some(gemm_bf16::Bf16Tiles::Vdpbf16ps),
             _ => None,
         };
-        if let Some(tiles) = bf16_tiles.filter(|_| bf16 && gemm_bf16::available()) {
+        let rounded_c = if let Some(tiles) = bf16_tiles.filter(|_| bf16 && gemm_bf16::available()) {
             // SAFETY: as above; `widest` picks AMX only where it is available. Its packing
-            // rounds every operand to bf16.
-            unsafe { gemm_bf16::gemm_bf16(tiles, batch, m, n, k, pa, la, pb, lb, pc, threads) };
+            // rounds every operand to bf16, its stores round C (the bf16 product's sums
+            // rounded once, as the interpreter rounds them).
+            unsafe {
+                gemm_bf16::gemm_bf16(tiles, batch, m, n, k, pa, la, pb, lb, pc, threads, true)
+            };
+            true
         } else {
             // The f32 GEMM reads operands as they are: f32 operands of a bf16 product (a cast
             // fusion folded into it) are rounded into a copy first.
@@ -303,8 +307,9 @@ shape {:?} strides {:?}",
                 .map_or((pb as *const f32, lb), |(c, l)| (c.as_ptr(), *l));
             // SAFETY: as above; the copies hold what their layouts name.
             unsafe { gemm::sgemm_with(self.gemm, batch, m, n, k, pa, la, pb, lb, pc, threads) };
-        }
-        if bf16 {
+            false
+        };
+        if bf16 && !rounded_c {
             // A bf16 product: its f32 sums rounded once to bf16, as the interpreter rounds it.
             // SAFETY: the output's `batch * m * n` elements lie inside the arena (as above).
             let c = unsafe { std::slice::from_raw_parts_mut(self.base.add(co), batch * m * n) };
