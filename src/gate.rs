@@ -70,9 +70,10 @@ pub fn check_pipeline_on(
 
 /// As `check_pipeline_on`, both steps on `mesh` (the SPMD step on every rank) when given, the
 /// optimized one lowered and run under `tuning`. The cpu GEMM kernel applies to both: under
-/// bf16-mixed the `vdpbf16ps` GEMM and the f32 one round differently (each within bf16's
-/// rounding of the interpreter, which the backend tests check), and the gate judges the
-/// pipeline and its lowering, not a choice of kernel. In f32 every kernel gives the same bits.
+/// bf16-mixed the AMX tiles, the `vdpbf16ps` GEMM and the f32 one round differently (each
+/// within bf16's rounding of the interpreter, which the backend tests check), and the gate
+/// judges the pipeline and its lowering, not a choice of kernel. In f32 every kernel gives the
+/// same bits.
 pub fn check_pipeline_tuned(
     model: &Llama3Config,
     pipeline: &Pipeline,

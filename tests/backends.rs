@@ -1222,7 +1222,8 @@ fn bf16_casts_elementwise_and_layout() {
 
 /// A matmul of bf16 operands: f32 sums rounded once to bf16, within one bf16 step (2^-8
 /// relative) of the interpreter's f64 sums rounded to bf16; transposed operands and a
-/// transposed result included; on cpu (`vdpbf16ps` where it has AVX512_BF16, and the f32 GEMM)
+/// transposed result included; on cpu (AMX tiles where it has AMX, `vdpbf16ps` where it has
+/// AVX512_BF16, and the f32 GEMM)
 /// and on the device backends with both matmul kernels. Fused, the casts of `a` and `b` fold
 /// into the matmuls (which round the f32 inputs as they read them): bit for bit the eager
 /// Program's cast kernels, with every kernel.
@@ -1246,6 +1247,7 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     // cpu with either GEMM; the device backends with either matmul kernel.
     let mut kernels = vec![
         (Backend::Cpu, GemmKernel::Widest, DeviceMatmul::Auto),
+        (Backend::Cpu, GemmKernel::Avx512, DeviceMatmul::Auto),
         (Backend::Cpu, GemmKernel::Avx2, DeviceMatmul::Auto),
     ];
     for backend in device_backends() {

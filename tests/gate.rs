@@ -73,8 +73,8 @@ fn default_pipeline_and_ac_are_bitwise_identical_on_wgpu_tiny() {
 /// bf16-mixed, fused against eager, bit for bit: fusion folds the casts to bf16 that only
 /// matmuls read into those matmuls (which round the f32 operand as they read it), lowers
 /// widening casts as views and writes bf16 weight gradients transposed; each must round exactly
-/// as the cast kernels it replaces. On cpu (the bf16 GEMM where the cpu has AVX512_BF16, else the
-/// f32 GEMM on rounded copies) and the device backends, with `ac=full` in front as well (the
+/// as the cast kernels it replaces. On cpu (the bf16 GEMM, on AMX tiles or `vdpbf16ps`, where
+/// the cpu has AVX512_BF16, else the f32 GEMM on rounded copies) and the device backends, with `ac=full` in front as well (the
 /// recomputed forward's casts fold too).
 #[test]
 fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
@@ -101,18 +101,21 @@ fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
             )
             .unwrap_or_else(|e| panic!("{list} on {backend}, bf16-mixed: {e}"));
         }
-        // A GEMM kernel chosen by a setting runs on both sides: the f32 GEMM rounds bf16-mixed's
-        // products differently from `vdpbf16ps`, and the gate judges the pipeline, not that.
-        check_pipeline_tuned(
-            &tiny,
-            &p,
-            3,
-            Backend::Cpu,
-            None,
-            &Tuning::parse("gemm=avx2").unwrap(),
-            Precision::Bf16Mixed,
-        )
-        .unwrap_or_else(|e| panic!("{list} with gemm=avx2, bf16-mixed: {e}"));
+        // A GEMM kernel chosen by a setting runs on both sides: the f32 GEMM and `vdpbf16ps`
+        // round bf16-mixed's products differently from AMX tiles and from each other, and the
+        // gate judges the pipeline, not that.
+        for gemm in ["gemm=avx2", "gemm=avx512"] {
+            check_pipeline_tuned(
+                &tiny,
+                &p,
+                3,
+                Backend::Cpu,
+                None,
+                &Tuning::parse(gemm).unwrap(),
+                Precision::Bf16Mixed,
+            )
+            .unwrap_or_else(|e| panic!("{list} with {gemm}, bf16-mixed: {e}"));
+        }
     }
 }
 
