@@ -1498,6 +1498,28 @@ fn a_memory_cap_no_pipeline_meets_is_reported_with_the_smallest_peak() {
     assert_clean_error(&o, &["--objective `synthetic:x`"]);
 }
 
+/// `sim` on `this-cpu` (the default) measures this host first, the bf16 GEMM included, and
+/// predicts a bf16-mixed step from it.
+#[test]
+fn sim_measures_this_cpu_in_f32_and_bf16() {
+    let o = graphtrain(&["sim", "--config", "tiny", "--precision", "bf16-mixed"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all = format!("{}{}", stdout(&o), stderr(&o));
+    let rate = |label: &str| -> f64 {
+        let at = all
+            .find(label)
+            .unwrap_or_else(|| panic!("no `{label}` in:\n{all}"));
+        all[at + label.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no rate after `{label}` in:\n{all}"))
+    };
+    assert!(rate("GEMM 1024^3") > 0.0, "{all}");
+    assert!(rate("in bf16") > 0.0, "{all}");
+    assert!(all.contains("sim: tiny on this-cpu"), "{all}");
+}
+
 /// `sim` predicts a step on a built-in GPU without one, refuses a mesh its nodes cannot hold
 /// and unknown hardware, and names a bad field of a hardware file.
 #[test]

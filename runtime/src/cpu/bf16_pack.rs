@@ -99,49 +99,8 @@ pub unsafe fn round_rows(x: *mut f32, stride: usize, rows: usize, cols: usize) {
     }
 }
 
-/// A 16 x 16 block of pairs from an operand whose k runs down its columns: element (r, kk) at
-/// `x + r + kk * col_stride`. Writes rows r = 0..16 (live rows: `rows`; the rest zero) of pairs
-/// `first..first + 16` (zeros past k's) at `out + r * out_stride`, 16 lanes each.
-///
-/// # Safety
-/// The elements named (rows `..rows`, k `..k`) must be readable, `out` writable for 16 rows;
-/// AVX-512F.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn columns_to_rows(
-    x: *const f32,
-    col_stride: usize,
-    k: usize,
-    first: usize,
-    rows: usize,
-    out: *mut u32,
-    out_stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe { simd::columns_to_rows(x, col_stride, k, first, rows, out, out_stride) }
-}
-
-/// A 16 x 16 block of pairs from an operand whose k runs along its rows: element (kk, j) at
-/// `x + kk + j * col_stride`. Writes pairs q = 0..`pairs` (from `first`) of columns j = 0..16
-/// (live columns: `cols`; the rest zero) at `out + q * out_stride`, 16 lanes each.
-///
-/// # Safety
-/// The elements named (columns `..cols`, k `..k`) must be readable, `out` writable for
-/// `pairs` rows; AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_to_columns(
-    x: *const f32,
-    col_stride: usize,
-    k: usize,
-    first: usize,
-    cols: usize,
-    pairs: usize,
-    out: *mut u32,
-    out_stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe { simd::rows_to_columns(x, col_stride, k, first, cols, pairs, out, out_stride) }
-}
+pub use simd::{columns_to_rows, rows_to_columns};
 
 /// Packing 16 pairs at a time: `round_bf16` on integer lanes (so denormals round as the cast
 /// kernels round them, which `vcvtne2ps2bf16` would flush), then each pair's two high halves
@@ -308,12 +267,15 @@ mod simd {
         out
     }
 
-    /// See `super::columns_to_rows`.
+    /// A 16 x 16 block of pairs from an operand whose k runs down its columns: element (r, kk)
+    /// at `x + r + kk * col_stride`. Writes rows r = 0..16 (live rows: `rows`; the rest zero)
+    /// of pairs `first..first + 16` (zeros past k's) at `out + r * out_stride`, 16 lanes each.
     ///
     /// # Safety
-    /// As `super::columns_to_rows`.
+    /// The elements named (rows `..rows`, k `..k`) must be readable, `out` writable for 16
+    /// rows; AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn columns_to_rows(
+    pub unsafe fn columns_to_rows(
         x: *const f32,
         col_stride: usize,
         k: usize,
@@ -345,13 +307,17 @@ mod simd {
         }
     }
 
-    /// See `super::rows_to_columns`.
+    /// A 16 x 16 block of pairs from an operand whose k runs along its rows: element (kk, j)
+    /// at `x + kk + j * col_stride`. Writes pairs q = 0..`pairs` (from `first`) of columns
+    /// j = 0..16 (live columns: `cols`; the rest zero) at `out + q * out_stride`, 16 lanes
+    /// each.
     ///
     /// # Safety
-    /// As `super::rows_to_columns`.
+    /// The elements named (columns `..cols`, k `..k`) must be readable, `out` writable for
+    /// `pairs` rows; AVX-512F.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn rows_to_columns(
+    pub unsafe fn rows_to_columns(
         x: *const f32,
         col_stride: usize,
         k: usize,

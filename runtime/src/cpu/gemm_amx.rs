@@ -1,7 +1,7 @@
 //! The bf16 GEMM's tiles on AMX (`tdpbf16ps`), where the cpu and the kernel allow them.
 //!
-//! Contract: the same as `gemm_bf16`'s (it drives this file: packs B, splits the tasks), with
-//! two differences in how a task computes its part of C:
+//! Contract: the same as `gemm_bf16`'s (it drives this file: packs A and B, splits the
+//! tasks), with two differences in how a task computes its part of C:
 //! * A is packed in 16 x 16-pair chunks (one tile register each: 16 rows of 64 bytes) and k is
 //!   padded with zero pairs to a multiple of 16, in A and in B's panels, so every tile load is
 //!   whole. The padding adds `+0 * 0` to the sums.

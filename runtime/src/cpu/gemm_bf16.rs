@@ -3,10 +3,11 @@
 //!
 //! Contract:
 //! * `C[b] = A[b] @ B[b]` as f32 sums, C contiguous row-major, overwritten; with `round_c`
-//!   each sum rounded to bf16 (`round_bf16`) as its tile is stored, while it is in cache. Packing rounds each operand element to bf16 (to nearest, ties to even, as
-//!   `round_bf16` does): the identity on bf16 values held in f32 slots (low 16 bits zero, which
-//!   is how the cpu backend stores bf16), and the cast for the f32 operands a matmul reads
-//!   through a cast that fusion folded into it (`Step::Matmul::round_bf16`).
+//!   each sum rounded to bf16 (`round_bf16`) as its tile is stored, while it is in cache.
+//!   Packing (`bf16_pack.rs`) rounds each operand element to bf16 (to nearest, ties to even,
+//!   as `round_bf16` does): the identity on bf16 values held in f32 slots (low 16 bits zero,
+//!   which is how the cpu backend stores bf16), and the cast for the f32 operands a matmul
+//!   reads through a cast that fusion folded into it (`Step::Matmul::round_bf16`).
 //! * Every C element is one chain over k in pairs: `acc += a[2p] b[2p] + a[2p+1] b[2p+1]` for
 //!   p = 0, 1, ..., one `vdpbf16ps` per pair (k odd: a zero pads the last pair). Threads split
 //!   batch x m x n, never k, so the bits depend neither on the thread count nor on the
@@ -216,8 +217,8 @@ pub unsafe fn gemm_bf16(
     }
     let row_blocks = m.div_ceil(ROWS_PER_TASK);
     // Columns are split too where rows alone would leave a thread idle (a weight gradient of
-    // 256 rows is three row blocks): each task then packs its A rows again, a k x rows copy
-    // against k x rows x columns of arithmetic.
+    // 256 rows is three row blocks): each register-tile task then packs its A rows again, a
+    // k x rows copy against k x rows x columns of arithmetic (AMX's tasks share A's packing).
     let wanted = 4 * threads.max(1);
     let groups = wanted.div_ceil(batch * row_blocks).clamp(1, panels);
     let panels_per_group = panels.div_ceil(groups);
