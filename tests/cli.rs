@@ -1262,7 +1262,10 @@ fn search_on_a_mesh_searches_the_collective_passes_too() {
             "threads_per_rank=1",
             vec!["--tuning threads_per_rank", "needs --mesh"],
         ),
-        ("gemm=avx9", vec!["--tuning", "widest, avx2 or scalar"]),
+        (
+            "gemm=avx9",
+            vec!["--tuning", "widest, avx512, avx2 or scalar"],
+        ),
         (
             "gemm=avx2 --backend reference",
             vec!["--tuning gemm", "the cpu backend's"],

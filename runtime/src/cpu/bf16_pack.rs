@@ -12,7 +12,9 @@
 //! * k runs along a row (neighbours make a pair): `neighbours`; turned into columns of pairs
 //!   (B's panels) by `rows_to_columns`.
 //!
-//! The vector paths run AVX-512F: only a caller that checked `gemm_bf16::available()` packs.
+//! The vector paths run AVX-512F: the safe functions check for it (one cached load) and fall
+//! back to `pair` one lane at a time; the block transposes are `unsafe` and leave the check
+//! to their callers (the GEMM, which runs only where `gemm_bf16::available()`).
 
 /// The bf16 pair (x0, x1), each rounded to bf16, as one 32-bit lane: x0 in the low half.
 pub fn pair(x0: f32, x1: f32) -> u32 {
@@ -26,12 +28,13 @@ pub fn side_by_side(x0: &[f32], x1: Option<&[f32]>, out: &mut [u32]) {
     let len = out.len();
     assert!(x0.len() >= len && x1.is_none_or(|x1| x1.len() >= len));
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the packing's callers checked AVX-512F; `len` elements are inside every slice
-    // (asserted above).
-    unsafe {
-        simd::side_by_side(x0.as_ptr(), x1.map(<[f32]>::as_ptr), out.as_mut_ptr(), len);
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present; `len` elements are inside every slice (asserted above).
+        unsafe {
+            simd::side_by_side(x0.as_ptr(), x1.map(<[f32]>::as_ptr), out.as_mut_ptr(), len);
+        }
+        return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
     for i in 0..len {
         out[i] = pair(x0[i], x1.map_or(0.0, |x1| x1[i]));
     }
@@ -44,9 +47,9 @@ pub fn neighbours(x: &[f32], out: &mut [u32], stride: usize) {
     assert!(pairs == 0 || out.len() > (pairs - 1) * stride);
     let mut p = 0;
     #[cfg(target_arch = "x86_64")]
-    while p < pairs {
+    while p < pairs && is_x86_feature_detected!("avx512f") {
         let live = (x.len() - 2 * p).min(32);
-        // SAFETY: as in `side_by_side`; `live` elements from 2p are inside `x`, and the lanes
+        // SAFETY: AVX-512F is present; `live` elements from 2p are inside `x`, and the lanes
         // stored (the live pairs) inside `out` (asserted above).
         unsafe {
             let lanes = simd::neighbours(x.as_ptr().add(2 * p), live);
