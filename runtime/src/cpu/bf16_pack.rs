@@ -47,7 +47,9 @@ pub fn neighbours(x: &[f32], out: &mut [u32], stride: usize) {
     assert!(pairs == 0 || out.len() > (pairs - 1) * stride);
     let mut p = 0;
     #[cfg(target_arch = "x86_64")]
-    while p < pairs && is_x86_feature_detected!("avx512f") {
+    let vector = is_x86_feature_detected!("avx512f");
+    #[cfg(target_arch = "x86_64")]
+    while vector && p < pairs {
         let live = (x.len() - 2 * p).min(32);
         // SAFETY: AVX-512F is present; `live` elements from 2p are inside `x`, and the lanes
         // stored (the live pairs) inside `out` (asserted above).

@@ -188,6 +188,7 @@ pub unsafe fn gemm_bf16(
     // AMX packs A once, before the tasks, every 32-row block in parallel: its tiles compute
     // so fast that a task packing its rows again per column group (as the register tiles do
     // below) spent as long packing as computing.
+    let ap = TaskPtr(a as *mut f32);
     let a_block_len = BLOCK_ROWS * panel_pairs;
     let a_blocks = m.div_ceil(BLOCK_ROWS);
     let mut packed_a_all = if amx {
@@ -197,7 +198,6 @@ pub unsafe fn gemm_bf16(
     };
     if amx {
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
-        let ap = TaskPtr(a as *mut f32);
         run(batch * a_blocks, &|t| {
             let (bi, block) = (t / a_blocks, t % a_blocks);
             let first = block * BLOCK_ROWS;
@@ -223,7 +223,6 @@ pub unsafe fn gemm_bf16(
     let groups = wanted.div_ceil(batch * row_blocks).clamp(1, panels);
     let panels_per_group = panels.div_ceil(groups);
     let groups = panels.div_ceil(panels_per_group);
-    let ap = TaskPtr(a as *mut f32);
     let cp = TaskPtr(c);
     let b_packed = &packed_b;
     run(batch * row_blocks * groups, &|t| {
