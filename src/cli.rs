@@ -65,16 +65,16 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     after_help = "Environment (read by `run` and `bench`):\n  \
 GRAPHTRAIN_PROFILE=1|steps          wait for and time every step, by kind or one by one\n  \
 GRAPHTRAIN_GEMM_KERNEL=avx512|avx2|scalar\n  \
-                                    a narrower GEMM kernel than the cpu's widest, to measure it\n  \
-                                    (avx512: no AMX tiles for bf16 matmuls)\n  \
+\x20                                   a narrower GEMM kernel than the cpu's widest, to measure it\n  \
+\x20                                   (avx512: no AMX tiles for bf16 matmuls)\n  \
 GRAPHTRAIN_MEMORY_LIMIT_MIB=N       host memory a run may allocate (default: what the OS reports)\n  \
 GRAPHTRAIN_DEVICE_BUFFER_MIB=N      the most one wgpu or cuda buffer holds (default: the device's\n  \
-                                    limit); a larger arena is split across buffers\n\n\
+\x20                                   limit); a larger arena is split across buffers\n\n\
 Logging (every command):\n  \
 RUST_LOG=info                       log each compile stage (trace, autodiff, verify, passes and\n  \
-                                    each pass, legalize, lower, load) and each training step to\n  \
-                                    stderr as it ends, with its time; any tracing env-filter works\n  \
-                                    (`graphtrain=info,graphtrain_passes=info`). Unset: errors only"
+\x20                                   each pass, legalize, lower, load) and each training step to\n  \
+\x20                                   stderr as it ends, with its time; any tracing env-filter works\n  \
+\x20                                   (`graphtrain=info,graphtrain_passes=info`). Unset: errors only"
 )]
 pub struct Cli {
     #[command(subcommand)]
