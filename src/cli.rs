@@ -414,8 +414,8 @@ pub struct TraceArgs {
     /// must split over dp_replicate x dp_shard (the large configs' batch is 1).
     #[arg(long)]
     pub batch: Option<usize>,
-    /// `f32` or `bf16-mixed` (matmuls on bf16 casts, f32 master weights; on a mesh, FSDP's
-    /// weight gathers move bf16 through the default pipeline's `gather_bf16`).
+    /// `f32` or `bf16-mixed` (matmuls and attention on bf16 casts, f32 master weights; on a
+    /// mesh, FSDP's weight gathers move bf16 through the default pipeline's `gather_bf16`).
     #[arg(long, default_value = "f32")]
     pub precision: String,
     #[command(flatten)]
@@ -630,11 +630,12 @@ pub struct TrainArgs {
     #[arg(long, default_value = "")]
     pub tuning: String,
     /// The element types the step computes in: `f32`, or `bf16-mixed` (torch autocast's
-    /// policy: every matmul reads bf16 copies of its operands, accumulates in f32 and rounds its
-    /// result to bf16; parameters, optimizer state, norms, attention, the loss and every
+    /// policy: every matmul and attention reads bf16 copies of its operands, accumulates in f32
+    /// and rounds its result to bf16, attention's products reading bf16 probabilities as
+    /// torch's cpu kernel does; parameters, optimizer state, norms, rope, the loss and every
     /// reduction stay f32). bf16 values are held in f32 slots, so the step takes no less memory
-    /// than in f32 yet; on the device backends the matmuls sum in f32 and round (no tensor cores
-    /// yet).
+    /// than in f32 yet; on the device backends the matmuls and attention sum in f32 and round
+    /// (no tensor cores yet).
     #[arg(long, default_value = "f32")]
     pub precision: String,
 }

@@ -1,7 +1,7 @@
 //! Mixed precision as a transform of the forward graph, before autodiff (torch's autocast):
-//! under `Precision::Bf16Mixed` every f32 matmul reads bf16 copies of its operands and its bf16
-//! result is cast back to f32. Parameters (the master weights), optimizer state, norms,
-//! attention, the loss and every reduction stay f32.
+//! under `Precision::Bf16Mixed` every f32 matmul and every f32 attention reads bf16 copies of
+//! its operands and its bf16 result is cast back to f32. Parameters (the master weights),
+//! optimizer state, norms, rope, the loss and every reduction stay f32.
 //!
 //! Each matmul gets casts of its own, even where two matmuls read one value (`wq`, `wk`, `wv`
 //! of one activation): autodiff then casts each matmul's bf16 operand gradient back to f32 on
@@ -9,7 +9,14 @@
 //! products accumulated in f32 and rounded once to bf16 (the interpreter accumulates in f64; the
 //! gate's tolerance covers the difference).
 //!
-//! Declines: nothing; a graph with no f32 matmul comes back unchanged.
+//! Attention in bf16 is torch's autocast policy for `scaled_dot_product_attention` too: its
+//! gradient (`attention_backward`) then reads bf16 q, k, v and output gradient and gives bf16
+//! gradients, cast back to f32 by the casts' own gradients. The interpreter computes it exactly
+//! on the bf16 values and rounds the results; the cpu backend reads the probabilities in bf16
+//! where its products do, as torch's cpu kernel does (`runtime/src/cpu/attention.rs`), within
+//! the tolerance the gate gives bf16 results.
+//!
+//! Declines: nothing; a graph with no f32 matmul or attention comes back unchanged.
 
 use crate::graph::{Graph, Meta, Node};
 use crate::{DType, Op, TypeError, ValueId};
@@ -20,7 +27,8 @@ pub enum Precision {
     /// Everything in f32.
     #[default]
     F32,
-    /// Matmuls on bf16 operands (f32 accumulation, bf16 result); the rest in f32.
+    /// Matmuls and attention on bf16 operands (f32 accumulation, bf16 results); the rest in
+    /// f32.
     Bf16Mixed,
 }
 
@@ -43,7 +51,7 @@ impl Precision {
         }
     }
 
-    /// The element type its matmuls read.
+    /// The element type its matmuls and attention read.
     pub fn matmul_dtype(self) -> DType {
         match self {
             Precision::F32 => DType::F32,
@@ -53,8 +61,10 @@ impl Precision {
 }
 
 /// `forward` under `precision`: each f32 matmul `a @ b` becomes
-/// `cast_f32(cast_low(a) @ cast_low(b))`. Value ids of `forward` keep their meaning (new values
-/// are appended), so parameters and outputs still name what they named.
+/// `cast_f32(cast_low(a) @ cast_low(b))`, and each f32 `attention(q, k, v)` becomes
+/// `cast_f32(attention(cast_low(q), cast_low(k), cast_low(v)))`. Value ids of `forward` keep
+/// their meaning (new values are appended), so parameters and outputs still name what they
+/// named.
 pub fn autocast(forward: &Graph, precision: Precision) -> Result<Graph, TypeError> {
     let low = precision.matmul_dtype();
     if low == DType::F32 {
@@ -67,9 +77,9 @@ pub fn autocast(forward: &Graph, precision: Precision) -> Result<Graph, TypeErro
     let mut map: Vec<ValueId> = (0..forward.values.len() as u32).map(ValueId).collect();
     for node in &forward.nodes {
         let inputs: Vec<ValueId> = node.inputs.iter().map(|v| map[v.index()]).collect();
-        let f32_matmul =
-            matches!(node.op, Op::Matmul) && inputs.iter().all(|v| out.ty(*v).dtype == DType::F32);
-        if !f32_matmul {
+        let lowered = matches!(node.op, Op::Matmul | Op::Attention { .. })
+            && inputs.iter().all(|v| out.ty(*v).dtype == DType::F32);
+        if !lowered {
             out.nodes.push(Node {
                 inputs,
                 ..node.clone()
@@ -80,12 +90,19 @@ pub fn autocast(forward: &Graph, precision: Precision) -> Result<Graph, TypeErro
             tags: node.meta.tags.clone(),
             ..Meta::new(format!("{}.{what}", node.meta.module), node.meta.phase)
         };
-        let a = out.push1(Op::Cast { dtype: low }, vec![inputs[0]], meta("cast_a"))?;
-        let b = out.push1(Op::Cast { dtype: low }, vec![inputs[1]], meta("cast_b"))?;
-        let product = out.push1(Op::Matmul, vec![a, b], node.meta.clone())?;
+        let operands: &[&str] = match node.op {
+            Op::Matmul => &["cast_a", "cast_b"],
+            _ => &["cast_q", "cast_k", "cast_v"],
+        };
+        let low_inputs = inputs
+            .iter()
+            .zip(operands)
+            .map(|(&v, what)| out.push1(Op::Cast { dtype: low }, vec![v], meta(what)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let result = out.push1(node.op.clone(), low_inputs, node.meta.clone())?;
         let back = out.push1(
             Op::Cast { dtype: DType::F32 },
-            vec![product],
+            vec![result],
             meta("cast_out"),
         )?;
         map[node.outputs[0].index()] = back;
@@ -150,5 +167,58 @@ mod tests {
         assert!(Precision::parse("fp8")
             .unwrap_err()
             .contains("f32, bf16-mixed"));
+    }
+
+    /// Attention reads bf16 casts of q, k and v and is cast back; its gradient, through the
+    /// casts' gradients, is a bf16 `attention_backward` whose results are cast back to f32.
+    #[test]
+    fn attention_runs_in_bf16_and_so_does_its_gradient() {
+        let mut g = Graph::new("t");
+        let ty = || TensorType::new(DType::F32, vec![1, 2, 3, 4]);
+        let q = g.add_input("q", InputKind::Param, ty());
+        let k = g.add_input("k", InputKind::Param, ty());
+        let v = g.add_input("v", InputKind::Param, ty());
+        let meta = || Meta::new("attn", Phase::Forward);
+        let attention = Op::Attention {
+            causal: true,
+            scale: 0.5,
+        };
+        let o = g.push1(attention.clone(), vec![q, k, v], meta()).unwrap();
+        let loss = g
+            .push1(
+                Op::ReduceSum {
+                    axes: vec![0, 1, 2, 3],
+                    keepdim: false,
+                },
+                vec![o],
+                meta(),
+            )
+            .unwrap();
+        g.add_output("loss", loss, None);
+        let mut mixed = autocast(&g, Precision::Bf16Mixed).unwrap();
+        crate::verify(&mixed).unwrap();
+        let node = mixed.nodes.iter().find(|n| n.op == attention).unwrap();
+        let producers = mixed.producers();
+        for i in &node.inputs {
+            let cast = producers[i.index()].expect("a cast");
+            assert_eq!(mixed.nodes[cast].op, Op::Cast { dtype: DType::BF16 });
+            assert_eq!(mixed.ty(*i).dtype, DType::BF16);
+        }
+        assert_eq!(mixed.ty(node.outputs[0]).dtype, DType::BF16);
+        let loss = mixed.outputs[0].value;
+        assert_eq!(mixed.ty(loss).dtype, DType::F32);
+        let grads = crate::autodiff::grad(&mut mixed, loss, &[q, k, v]).unwrap();
+        crate::verify(&mixed).unwrap();
+        let backward = mixed
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::AttentionBackward { .. }))
+            .expect("attention's gradient");
+        for x in backward.inputs.iter().chain(&backward.outputs) {
+            assert_eq!(mixed.ty(*x).dtype, DType::BF16);
+        }
+        for dx in grads {
+            assert_eq!(mixed.ty(dx).dtype, DType::F32);
+        }
     }
 }

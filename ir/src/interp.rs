@@ -15,7 +15,7 @@
 //! - Values are dropped after their last use unless they are graph outputs; the peak of live
 //!   logical bytes (numel × dtype size, graph inputs included) is reported.
 
-use crate::dtype::TensorType;
+use crate::dtype::{DType, TensorType};
 use crate::graph::Graph;
 use crate::infer::infer_types;
 use crate::mesh::{Mesh, Reduce};
@@ -1138,7 +1138,21 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// What bf16 attention's products read of an f32 quantity (probabilities, score gradients):
+/// it rounded to bf16, as torch's cpu kernel and ours round them (`Step::Attention`); f32
+/// attention reads it as it is.
+fn as_product_operand(x: f64, bf16: bool) -> f64 {
+    if bf16 {
+        f64::from(round_bf16(x as f32))
+    } else {
+        x
+    }
+}
+
+/// `softmax(q kᵀ · scale + mask) v`; in bf16 the probabilities are rounded to bf16 before the
+/// product with `v` (`as_product_operand`).
 fn attention(q: &HostTensor, k: &HostTensor, v: &HostTensor, causal: bool, scale: f64) -> Vec<f64> {
+    let bf16 = q.ty.dtype == DType::BF16;
     let dims = AttnDims::of(q, k);
     let (s, d, group) = (dims.s, dims.d, dims.group());
     let head = s * d;
@@ -1162,6 +1176,7 @@ fn attention(q: &HostTensor, k: &HostTensor, v: &HostTensor, causal: bool, scale
             dims.probs(&qh[i * d..(i + 1) * d], kh, len, scale, &mut p);
             let oi = &mut o[i * d..(i + 1) * d];
             for (j, &pj) in p[..len].iter().enumerate() {
+                let pj = as_product_operand(pj, bf16);
                 for (oc, &vc) in oi.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
                     *oc += pj * vc;
                 }
@@ -1179,6 +1194,9 @@ struct KvHeadGrads<'a> {
     dv: &'a mut [f64],
 }
 
+/// The gradients of `attention`: `dv = pᵀ dout`, `ds = p (dout vᵀ - Σ_j p dp)` (from the
+/// unrounded `p`), `dq = ds k · scale`, `dk = dsᵀ q · scale`; in bf16 the products read `p` and
+/// `ds` rounded to bf16 (`as_product_operand`).
 fn attention_backward(
     q: &HostTensor,
     k: &HostTensor,
@@ -1187,6 +1205,7 @@ fn attention_backward(
     causal: bool,
     scale: f64,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let bf16 = q.ty.dtype == DType::BF16;
     let dims = AttnDims::of(q, k);
     let (s, d, group) = (dims.s, dims.d, dims.group());
     let head = s * d;
@@ -1232,7 +1251,8 @@ fn attention_backward(
                 }
                 let dqi = &mut dqh[i * d..(i + 1) * d];
                 for j in 0..len {
-                    let ds = p[j] * (dp[j] - t);
+                    let ds = as_product_operand(p[j] * (dp[j] - t), bf16);
+                    let pj = as_product_operand(p[j], bf16);
                     let kj = &kh[j * d..(j + 1) * d];
                     for c in 0..d {
                         dqi[c] += ds * kj[c];
@@ -1242,7 +1262,7 @@ fn attention_backward(
                         *dkc += sds * qc;
                     }
                     for (dvc, &oc) in dv_h[j * d..(j + 1) * d].iter_mut().zip(doi) {
-                        *dvc += p[j] * oc;
+                        *dvc += pj * oc;
                     }
                 }
                 for c in dqi {

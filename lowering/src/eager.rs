@@ -172,6 +172,7 @@ pub(crate) fn structural_steps(
             v: view_of(n.inputs[2]),
             causal: *causal,
             scale: *scale,
+            bf16: g.ty(n.inputs[0]).dtype == DType::BF16,
         },
         Op::Rope {
             theta,
@@ -227,6 +228,7 @@ pub(crate) fn structural_steps(
             dout: view_of(n.inputs[3]),
             causal: *causal,
             scale: *scale,
+            bf16: g.ty(n.inputs[0]).dtype == DType::BF16,
         },
         Op::RandomUniform { stream, .. } | Op::RandomNormal { stream, .. } => Step::Random {
             out,

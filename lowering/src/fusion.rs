@@ -8,11 +8,12 @@
 //!   their operand (period a multiple of `BROADCAST_ALIGN`);
 //! - a matmul read only through a transpose of its last two dims writes the transpose
 //!   (`bᵀ aᵀ`), also through a widening cast of its bf16 result, and an attention output (or
-//!   gradient) read only through `transpose(0, 2, 1, 3)` is written in that layout through its
-//!   output view;
-//! - bf16-mixed's casts: a cast of f32 to bf16 that only bf16 matmuls read (through layout ops)
-//!   is a view of its operand, which those matmuls round as they read it
-//!   (`Bf16Rounding::a`/`b`: the same rounding the cast kernel does); a cast that changes no
+//!   gradient) read only through `transpose(0, 2, 1, 3)`, also through a widening cast of its
+//!   bf16 result, is written in that layout through its output view;
+//! - bf16-mixed's casts: a cast of f32 to bf16 that only bf16 matmuls and bf16 attention read
+//!   (through layout ops) is a view of its operand, which those steps round as they read it
+//!   (`Bf16Rounding::a`/`b`, and bf16 attention's contract: the same rounding the cast kernel
+//!   does); a cast that changes no
 //!   stored bit (bf16 widened to f32: bf16 is held in f32 slots), of a value in memory, that
 //!   only elementwise ops and views read is that value (its readers read the operand). Neither
 //!   takes a kernel or arena bytes: the weights are no longer transposed and rounded into a copy
@@ -173,16 +174,17 @@ pub(crate) fn fused_steps(
     let mut steps = Vec::new();
     // Nodes whose output an earlier step already wrote (a transpose of a matmul result).
     let mut done = vec![false; g.nodes.len()];
-    // Casts of f32 values to bf16 that only bf16 matmuls read (through layout ops): each
-    // matmul rounds the f32 operand as it reads it, so the cast is a view of its operand
-    // instead of a kernel and a bf16 copy in the arena (bf16-mixed's weights, which would
-    // otherwise be transposed and rounded into a copy for every matmul, and saved activations).
+    // Casts of f32 values to bf16 that only bf16 matmuls and attention read (through layout
+    // ops): each reader rounds the f32 operand as it reads it, so the cast is a view of its
+    // operand instead of a kernel and a bf16 copy in the arena (bf16-mixed's weights, which
+    // would otherwise be transposed and rounded into a copy for every matmul, attention's q, k
+    // and v, and saved activations).
     let cast_folds: Vec<bool> = (0..g.nodes.len())
         .map(|k| {
             let n = &g.nodes[k];
             matches!(n.op, Op::Cast { dtype: DType::BF16 })
                 && g.ty(n.inputs[0]).dtype == DType::F32
-                && only_bf16_matmuls_read(g, &consumers, &is_output, n.outputs[0])
+                && only_rounding_readers_read(g, &consumers, &is_output, n.outputs[0])
         })
         .collect();
     // Values holding f32 that their readers (bf16 matmuls only) round: folded casts and the
@@ -563,15 +565,30 @@ pub(crate) fn fused_steps(
                 _ => vec![],
             };
             for o in outs {
-                let cons = &consumers[o.base.index()];
-                let [t] = cons.as_slice() else { continue };
+                if is_output[o.base.index()] {
+                    continue;
+                }
+                // bf16 attention's result is read through its widening cast (the same bits).
+                let (cast, read) = match consumers[o.base.index()].as_slice() {
+                    [c] if widens_bf16(g, *c) && !is_output[g.nodes[*c].outputs[0].index()] => {
+                        (Some(*c), g.nodes[*c].outputs[0])
+                    }
+                    _ => (None, o.base),
+                };
+                let [t] = consumers[read.index()].as_slice() else {
+                    continue;
+                };
                 let swaps_heads =
                     matches!(&g.nodes[*t].op, Op::Transpose { perm } if perm == &[0, 2, 1, 3]);
-                if swaps_heads && !is_output[o.base.index()] && !folded[*t] && !done[*t] {
+                let cast_free = cast.is_none_or(|c| !folded[c] && !done[c]);
+                if swaps_heads && cast_free && !folded[*t] && !done[*t] {
                     let t_out = g.nodes[*t].outputs[0];
                     *o =
                         transpose_view(&View::contiguous(t_out, &g.ty(t_out).shape), &[0, 2, 1, 3]);
                     done[*t] = true;
+                    if let Some(c) = cast {
+                        done[c] = true;
+                    }
                 }
             }
         }
@@ -586,9 +603,10 @@ fn widens_bf16(g: &Graph, c: usize) -> bool {
     matches!(n.op, Op::Cast { dtype: DType::F32 }) && g.ty(n.inputs[0]).dtype == DType::BF16
 }
 
-/// Whether every reader of `v`, looking through layout ops, is a matmul with a bf16 result,
-/// and `v` is no graph output.
-fn only_bf16_matmuls_read(
+/// Whether every reader of `v`, looking through layout ops, rounds its operands to bf16 as it
+/// reads them (a matmul with a bf16 result, bf16 attention or its gradient), and `v` is no
+/// graph output.
+fn only_rounding_readers_read(
     g: &Graph,
     consumers: &[Vec<usize>],
     is_output: &[bool],
@@ -600,13 +618,15 @@ fn only_bf16_matmuls_read(
         && cons.iter().all(|&c| {
             let n = &g.nodes[c];
             match n.op {
-                Op::Matmul => g.ty(n.outputs[0]).dtype == DType::BF16,
+                Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } => {
+                    g.ty(n.outputs[0]).dtype == DType::BF16
+                }
                 Op::Reshape { .. }
                 | Op::Transpose { .. }
                 | Op::Slice { .. }
                 | Op::Expand { .. } => {
                     elementwise_expr(g, c).is_none()
-                        && only_bf16_matmuls_read(g, consumers, is_output, n.outputs[0])
+                        && only_rounding_readers_read(g, consumers, is_output, n.outputs[0])
                 }
                 _ => false,
             }

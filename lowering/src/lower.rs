@@ -194,13 +194,15 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
         for o in &n.outputs {
             let d = g.ty(*o).dtype;
             if d == DType::BF16 {
-                // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls) or only
+                // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls, attention) or only
                 // moves bf16 values (layout ops) may produce it.
                 // Collectives move bf16 as they are, and round a sum once (the communicators).
                 let holds_bf16 = crate::eager::elementwise_expr(g, k).is_some()
                     || matches!(
                         n.op,
                         Op::Matmul
+                            | Op::Attention { .. }
+                            | Op::AttentionBackward { .. }
                             | Op::CollectiveStart { .. }
                             | Op::Wait
                             | Op::Offload
@@ -218,7 +220,7 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
                     g,
                     k,
                     format!(
-                        "{} produces bf16: the compiled backends compute bf16 in elementwise ops, matmuls, layout ops and collectives only (bf16-mixed keeps the rest in f32)",
+                        "{} produces bf16: the compiled backends compute bf16 in elementwise ops, matmuls, attention, layout ops and collectives only (bf16-mixed keeps the rest in f32)",
                         n.op.name()
                     ),
                 ));

@@ -284,7 +284,11 @@ pub enum Step {
     /// `[B, H, S, D]` views (`k`, `v` with `Hkv` heads, shared by `H / Hkv` query heads). `out`
     /// is a `[B, H, S, D]` view with contiguous heads' rows (`strides[3] == 1`): contiguous, or
     /// the transposed view of the `[B, S, H, D]` value that is its only reader. The `[S, S]`
-    /// probabilities never reach the arena.
+    /// probabilities never reach the arena. With `bf16` (bf16-mixed's attention) every element
+    /// of `q`, `k` and `v` is rounded to bf16 as it is read (the identity on bf16 values; fusion
+    /// leaves f32 where it folded their casts), the probabilities are rounded to bf16 where
+    /// the product with `v` reads them (as torch's cpu kernel does for bf16), and `out` is
+    /// rounded to bf16; the rest is computed in f32 at least (the interpreter: f64).
     Attention {
         out: View,
         q: View,
@@ -292,6 +296,7 @@ pub enum Step {
         v: View,
         causal: bool,
         scale: f64,
+        bf16: bool,
     },
     /// Rotary embedding of a rank-4 `[B, S, H, D]` view into contiguous `out`, with the angle
     /// tables of `graphtrain_ir::decompose` (f64, cast to f32): per pair `(x1, x2)` of a head,
@@ -332,7 +337,10 @@ pub enum Step {
         grad: ValueId,
     },
     /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
-    /// views laid out as `Attention`'s `out`; the probabilities are recomputed per head.
+    /// views laid out as `Attention`'s `out`; the probabilities are recomputed per head. With
+    /// `bf16` the operands are rounded to bf16 as they are read (as `Attention`'s), so are the
+    /// probabilities and score gradients `ds = p (dp - Σ p dp)` (computed from the unrounded
+    /// `p`) where the products read them, and the three gradients as they are stored.
     AttentionBackward {
         dq: View,
         dk: View,
@@ -343,6 +351,7 @@ pub enum Step {
         dout: View,
         causal: bool,
         scale: f64,
+        bf16: bool,
     },
     /// Starts `collective` on the whole of contiguous `src` over this rank's group: the ranks
     /// that differ from it only along mesh dimensions `mesh_dims` (`graphtrain_ir::Mesh::group`

@@ -370,6 +370,7 @@ impl<'a> Printer<'a> {
                 v,
                 causal,
                 scale,
+                bf16,
             } => (
                 format!(
                     "{kind} {} <- {}",
@@ -380,7 +381,7 @@ impl<'a> Printer<'a> {
                         ("v", self.read(v))
                     ])
                 ),
-                vec![format!("causal={causal}"), format!("scale={scale:?}")],
+                attention_attrs(*causal, *scale, *bf16),
             ),
             Step::AttentionBackward {
                 dq,
@@ -392,6 +393,7 @@ impl<'a> Printer<'a> {
                 dout,
                 causal,
                 scale,
+                bf16,
             } => (
                 format!(
                     "{kind} {}, {}, {} <- {}",
@@ -405,7 +407,7 @@ impl<'a> Printer<'a> {
                         ("dout", self.read(dout)),
                     ])
                 ),
-                vec![format!("causal={causal}"), format!("scale={scale:?}")],
+                attention_attrs(*causal, *scale, *bf16),
             ),
             Step::CollectiveStart {
                 collective,
@@ -526,6 +528,15 @@ impl<'a> Printer<'a> {
         };
         (head, attrs, below)
     }
+}
+
+/// Attention's attributes; `bf16` only where it holds (f32 attention prints as before).
+fn attention_attrs(causal: bool, scale: f64, bf16: bool) -> Vec<String> {
+    let mut attrs = vec![format!("causal={causal}"), format!("scale={scale:?}")];
+    if bf16 {
+        attrs.push("bf16".into());
+    }
+    attrs
 }
 
 /// A collective step's attributes, as the graph's text format writes its start node's.

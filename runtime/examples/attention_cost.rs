@@ -1,9 +1,12 @@
 //! Time of the cpu backend's causal attention forward and backward at `peer`'s shape
-//! ([8, 8, 256, 32], one kv head per query head), and the GFLOP/s of the products they do.
-//! `cargo run --release -p graphtrain-runtime --example attention_cost`
+//! ([8, 8, 256, 32], one kv head per query head), and the GFLOP/s of the products they do, in
+//! f32 and as bf16 attention (on the bf16 GEMM's widest tiles where the cpu has them).
+//! `cargo run --release -p graphtrain-runtime --example attention_cost [f32|bf16] [strided]`
 
-use graphtrain_runtime::cpu::attention::{backward, forward, Dims, Grads, Heads, Qkv};
+use graphtrain_runtime::cpu::attention::{backward, forward, Dims, Grads, Heads, Products, Qkv};
+use graphtrain_runtime::cpu::bf16_pack::round_in_place;
 use graphtrain_runtime::cpu::gemm::GemmKernel;
+use graphtrain_runtime::cpu::gemm_bf16::{self, Bf16Tiles};
 use std::time::Instant;
 
 fn main() {
@@ -18,13 +21,19 @@ fn main() {
         scale: 1.0 / (d as f32).sqrt(),
     };
     let n = b * h * s * d;
-    // q, k, v, dout, out, dq, dk, dv: eight contiguous [B, H, S, D] tensors.
+    // q, k, v, dout, out, dq, dk, dv: eight [B, H, S, D] tensors, contiguous or (`strided`,
+    // as the fused step reads and writes them) transposed views of [B, S, H, D] ones.
     let mut arena: Vec<f32> = (0..8 * n)
         .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
         .collect();
+    let strided = std::env::args().nth(2).is_some_and(|a| a == "strided");
     let heads = |t: usize| Heads {
         offset: t * n,
-        strides: [h * s * d, s * d, d, 1],
+        strides: if strided {
+            [h * s * d, d, h * d, 1]
+        } else {
+            [h * s * d, s * d, d, 1]
+        },
     };
     let qkv = Qkv {
         q: heads(0),
@@ -39,13 +48,27 @@ fn main() {
     // Causal products: q kᵀ and p v over the lower triangle, forward; five of them backward.
     let tri = (s * (s + 1) / 2) as f64;
     let fwd_flops = (b * h) as f64 * 2.0 * 2.0 * tri * d as f64;
+    let precision = std::env::args().nth(1).unwrap_or_else(|| "f32".into());
+    let products = match precision.as_str() {
+        "f32" => Products::F32(GemmKernel::Widest),
+        "bf16" => {
+            // bf16 attention reads bf16 values.
+            round_in_place(&mut arena);
+            Products::Bf16 {
+                tiles: gemm_bf16::available().then(Bf16Tiles::widest),
+                kernel: GemmKernel::Widest,
+            }
+        }
+        other => panic!("unknown precision `{other}`: f32 or bf16"),
+    };
+    println!("{products:?}");
     let base = arena.as_mut_ptr();
     for (name, flops) in [("forward", fwd_flops), ("backward", 2.5 * fwd_flops)] {
         let run = || unsafe {
             if name == "forward" {
-                forward(base, dims, GemmKernel::Widest, qkv, heads(4))
+                forward(base, dims, products, qkv, heads(4))
             } else {
-                backward(base, dims, GemmKernel::Widest, qkv, heads(3), grads)
+                backward(base, dims, products, qkv, heads(3), grads)
             }
         };
         run();

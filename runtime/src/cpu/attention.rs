@@ -4,8 +4,8 @@
 //! Why: decomposed, attention materializes `[B, H, S, S]` scores, probabilities and their
 //! gradients, which dominated the arena (`debug`'s 2048-token rows needed 18 GiB) and made a
 //! dozen memory-bound passes over them per layer. Here every product is one of our GEMMs
-//! (`gemm.rs`, single-threaded inside a task) on the arena and the scratch, and the softmax runs
-//! on a row that is in cache.
+//! (`gemm.rs`, or `gemm_bf16.rs` for bf16 attention; single-threaded inside a task) on the arena
+//! and the scratch, and the softmax runs on a row that is in cache.
 //!
 //! Work split: one task per (batch, kv head), which owns the query heads that share it. So the
 //! kv gradients of a group are summed in a fixed order (query heads ascending) by one thread,
@@ -16,8 +16,18 @@
 //! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) / sum`; backward
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
+//!
+//! bf16 attention (`Products::Bf16`, bf16-mixed's; torch's cpu flash attention computes the
+//! same way): q, k, v and dout hold bf16 values; every product reads bf16 operands and sums in
+//! f32, so `p` and `ds` are rounded to bf16 where a product reads them, while the softmax, `ds`
+//! itself (from the f32 `p`) and the kv gradients' sums over heads and blocks stay f32; the
+//! outputs are rounded to bf16 as they are written. The products run on the bf16 GEMM's tiles
+//! (AMX, `vdpbf16ps`) where the cpu has them, whose packing rounds; elsewhere on the f32 GEMM
+//! after `p` and `ds` are rounded in place (the same products, summed in another order).
 
+use super::bf16_pack;
 use super::gemm::{self, Layout};
+use super::gemm_bf16::{gemm_bf16, Bf16Tiles};
 use super::pool::{Pool, TaskPtr};
 use super::rows::{exp, row_dot, row_max, row_sum};
 pub use crate::shared::attention_shape::Dims;
@@ -42,19 +52,6 @@ impl Heads {
             },
         )
     }
-
-    /// The same matrix read transposed, `[D, S]`.
-    fn at_t(&self, b: usize, h: usize) -> (usize, Layout) {
-        let (o, l) = self.at(b, h);
-        (
-            o,
-            Layout {
-                batch_stride: 0,
-                row_stride: l.col_stride,
-                col_stride: l.row_stride,
-            },
-        )
-    }
 }
 
 /// The arena, shared by the tasks (each writes its own heads only).
@@ -68,13 +65,53 @@ fn row_major(cols: usize) -> Layout {
     }
 }
 
+/// How the products of one attention call run (the module's numerics).
+#[derive(Clone, Copy, Debug)]
+pub enum Products {
+    /// f32 GEMMs.
+    F32(gemm::GemmKernel),
+    /// bf16 operands, f32 sums: on `tiles` where given (`gemm_bf16::available()` must hold),
+    /// else on `kernel`, the f32 GEMM, over operands already rounded.
+    Bf16 {
+        tiles: Option<Bf16Tiles>,
+        kernel: gemm::GemmKernel,
+    },
+}
+
+impl Products {
+    fn bf16(self) -> bool {
+        matches!(self, Products::Bf16 { .. })
+    }
+
+    /// Whether the products read rounded copies: bf16 attention on the f32 GEMM (the bf16
+    /// tiles round as they pack, and f32 attention reads f32).
+    fn copies_operands(self) -> bool {
+        matches!(self, Products::Bf16 { tiles: None, .. })
+    }
+
+    /// `x` (probabilities or score gradients a product reads next) as that product reads it:
+    /// rounded to bf16 where the f32 GEMM runs bf16 attention's products.
+    fn round_operand(self, x: &mut [f32]) {
+        if self.copies_operands() {
+            bf16_pack::round_in_place(x);
+        }
+    }
+
+    /// A result as the step stores it: rounded to bf16 in bf16 attention.
+    fn round_result(self, x: &mut [f32]) {
+        if self.bf16() {
+            bf16_pack::round_in_place(x);
+        }
+    }
+}
+
 /// `c = a @ b` on one thread (`m x k` times `k x n` into contiguous `m x n`).
 ///
 /// # Safety
 /// The operands must be valid for their layouts; `c` must not overlap them.
 #[allow(clippy::too_many_arguments)]
 unsafe fn mm(
-    kernel: gemm::GemmKernel,
+    products: Products,
     m: usize,
     n: usize,
     k: usize,
@@ -84,8 +121,17 @@ unsafe fn mm(
     lb: Layout,
     c: *mut f32,
 ) {
-    // SAFETY: forwarded.
-    unsafe { gemm::sgemm_with(kernel, 1, m, n, k, a, la, b, lb, c, 1) }
+    match products {
+        // SAFETY: forwarded; `gemm_bf16::available()` holds where `tiles` is given (the
+        // variant's contract).
+        Products::Bf16 {
+            tiles: Some(tiles), ..
+        } => unsafe { gemm_bf16(tiles, 1, m, n, k, a, la, b, lb, c, 1, false) },
+        Products::F32(kernel) | Products::Bf16 { kernel, .. } => {
+            // SAFETY: forwarded.
+            unsafe { gemm::sgemm_with(kernel, 1, m, n, k, a, la, b, lb, c, 1) }
+        }
+    }
 }
 
 /// One row of probabilities: `live` scaled, masked scores in, `p` out (zeros past `live`).
@@ -186,37 +232,105 @@ fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
     }
 }
 
-/// The probabilities of rows `r0..r1` over keys `0..n` of batch `b`, query head `h`, into `p`
-/// (`(r1 - r0) x n`, row-major).
+/// One head's `[S, D]` matrix (or its transpose) where the products read it.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const f32,
+    layout: Layout,
+}
+
+impl Mat {
+    /// The matrix from row `r` on.
+    fn row(self, r: usize) -> *const f32 {
+        self.ptr.wrapping_add(r * self.layout.row_stride)
+    }
+
+    /// The same matrix read transposed.
+    fn t(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            layout: Layout {
+                batch_stride: 0,
+                row_stride: self.layout.col_stride,
+                col_stride: self.layout.row_stride,
+            },
+        }
+    }
+}
+
+/// Head `(b, h)` of `x` as the products read it: in place where its rows are contiguous and
+/// the products read it as it is; else copied into `copy` (`S x D` row-major): a head whose
+/// rows are strided (`[B, S, H, D]` read as `[B, H, S, D]`, the fused step's q, k and v, one
+/// 128-byte row per 1 KiB on `peer`) crowds a few L1 sets, and every product of the task
+/// reads it again (`attention_cost ... strided`: 30% slower than contiguous heads), and where
+/// bf16 attention runs on the f32 GEMM (which reads what it is given) the copy is rounded to
+/// bf16, as the bf16 tiles' packing rounds it (an operand a fused cast left in f32; the
+/// identity on bf16 values).
 ///
 /// # Safety
-/// `arena` holds `q` and `k` as described.
-#[allow(clippy::too_many_arguments)]
-unsafe fn probabilities(
+/// The head lies in the arena.
+unsafe fn head(
+    products: Products,
     arena: Arena,
-    d: &Dims,
-    kernel: gemm::GemmKernel,
-    q: &Heads,
-    k: &Heads,
+    x: &Heads,
     (b, h): (usize, usize),
+    d: &Dims,
+    copy: &mut [f32],
+) -> Mat {
+    let (o, l) = x.at(b, h);
+    let at = arena.0.wrapping_add(o) as *const f32;
+    let hd = d.head_dim;
+    let round = products.copies_operands();
+    if !round && l.col_stride == 1 && (l.row_stride == hd || d.seq == 1) {
+        return Mat { ptr: at, layout: l };
+    }
+    for (r, row) in copy[..d.seq * hd].chunks_exact_mut(hd).enumerate() {
+        if l.col_stride == 1 {
+            // SAFETY: row r's `hd` elements are inside the head (the caller's contract).
+            row.copy_from_slice(unsafe {
+                std::slice::from_raw_parts(at.add(r * l.row_stride), hd)
+            });
+        } else {
+            for (c, y) in row.iter_mut().enumerate() {
+                // SAFETY: (r, c) is inside the head (the caller's contract).
+                *y = unsafe { *at.add(r * l.row_stride + c * l.col_stride) };
+            }
+        }
+        if round {
+            bf16_pack::round_in_place(row);
+        }
+    }
+    Mat {
+        ptr: copy.as_ptr(),
+        layout: row_major(hd),
+    }
+}
+
+/// The probabilities of rows `r0..r1` of query head `q` over keys `0..n` (`kt`, the head's
+/// keys transposed) into `p` (`(r1 - r0) x n`, row-major).
+///
+/// # Safety
+/// `q` and `kt` address the heads they name.
+unsafe fn probabilities(
+    d: &Dims,
+    products: Products,
+    q: Mat,
+    kt: Mat,
     (r0, r1, n): (usize, usize, usize),
     p: &mut [f32],
 ) {
-    let kvh = h / (d.heads / d.kv_heads);
-    let (qo, ql) = q.at(b, h);
-    let (ko, kl) = k.at_t(b, kvh);
     let p = &mut p[..(r1 - r0) * n];
-    // SAFETY: the views lie in the arena; `p` is our own scratch.
+    // SAFETY: the caller's contract; `p` is our own scratch.
     unsafe {
         mm(
-            kernel,
+            products,
             r1 - r0,
             n,
             d.head_dim,
-            arena.0.add(qo + r0 * ql.row_stride),
-            ql,
-            arena.0.add(ko),
-            kl,
+            q.row(r0),
+            q.layout,
+            kt.ptr,
+            kt.layout,
             p.as_mut_ptr(),
         );
     }
@@ -289,34 +403,50 @@ impl Heads {
 ///
 /// # Safety
 /// `base` is the arena; the views and `out` lie inside it, `out` overlapping none of them.
-pub unsafe fn forward(base: *mut f32, d: Dims, kernel: gemm::GemmKernel, qkv: Qkv, out: Heads) {
+pub unsafe fn forward(base: *mut f32, d: Dims, products: Products, qkv: Qkv, out: Heads) {
     let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
+    // Copies of k, v and one query head, where the products need them (`head`).
+    let copy = s * hd;
     Pool::current().run(d.batch * d.kv_heads, &|task| {
-        let (b, g) = (task / d.kv_heads, task % d.kv_heads);
+        let (b, g) = (task % d.batch, task / d.batch);
         let rows = FORWARD_ROWS.min(s);
-        with_scratch(rows * (s + hd), |scratch| {
-            let (p, o) = scratch.split_at_mut(rows * s);
-            let (vo, vl) = v.at(b, g);
+        with_scratch(rows * (s + hd) + 3 * copy, |scratch| {
+            let (p, rest) = scratch.split_at_mut(rows * s);
+            let (o, rest) = rest.split_at_mut(rows * hd);
+            let (k_copy, rest) = rest.split_at_mut(copy);
+            let (v_copy, q_copy) = rest.split_at_mut(copy);
+            // SAFETY: the caller's contract: the heads lie in the arena.
+            let (kh, vh) = unsafe {
+                (
+                    head(products, arena, &k, (b, g), &d, k_copy),
+                    head(products, arena, &v, (b, g), &d, v_copy),
+                )
+            };
             for h in g * group..(g + 1) * group {
+                // SAFETY: as above.
+                let qh = unsafe { head(products, arena, &q, (b, h), &d, q_copy) };
                 for (r0, r1, n) in blocks(&d, FORWARD_ROWS) {
                     // SAFETY: the caller's contract; each task writes only its own heads of `out`.
                     unsafe {
-                        probabilities(arena, &d, kernel, &q, &k, (b, h), (r0, r1, n), p);
+                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p);
+                        products.round_operand(&mut p[..(r1 - r0) * n]);
                         mm(
-                            kernel,
+                            products,
                             r1 - r0,
                             hd,
                             n,
                             p.as_ptr(),
                             row_major(n),
-                            arena.0.add(vo),
-                            vl,
+                            vh.ptr,
+                            vh.layout,
                             o.as_mut_ptr(),
                         );
-                        out.write_rows(arena, (b, h), r0, &o[..(r1 - r0) * hd], hd);
+                        let o = &mut o[..(r1 - r0) * hd];
+                        products.round_result(o);
+                        out.write_rows(arena, (b, h), r0, o, hd);
                     }
                 }
             }
@@ -341,16 +471,17 @@ pub struct Grads {
 }
 
 /// The gradients of `forward` for `dout` into `grads`. Per query head and row block: the
-/// block's probabilities again, then `dv += pᵀ dout`, `ds = p (dout vᵀ - Σ_j ...)`,
+/// block's probabilities again, then `ds = p (dout vᵀ - Σ_j ...)`, `dv += pᵀ dout`,
 /// `dq = ds k · scale`, `dk += dsᵀ q · scale`; kv gradients summed over heads, then blocks, in
-/// ascending order.
+/// ascending order. (`ds` comes before `dv` so that bf16 attention on the f32 GEMM can round
+/// `p` in place after `ds` has read it in f32.)
 ///
 /// # Safety
 /// As for `forward`; the three outputs overlap nothing they are computed from nor each other.
 pub unsafe fn backward(
     base: *mut f32,
     d: Dims,
-    kernel: gemm::GemmKernel,
+    products: Products,
     qkv: Qkv,
     dout: Heads,
     grads: Grads,
@@ -359,88 +490,108 @@ pub unsafe fn backward(
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
+    // Copies of k, v, one query head and its output gradient, where the products need them
+    // (`head`).
+    let copy = s * hd;
     Pool::current().run(d.batch * d.kv_heads, &|task| {
-        let (b, g) = (task / d.kv_heads, task % d.kv_heads);
+        let (b, g) = (task % d.batch, task / d.batch);
         let rows = BACKWARD_ROWS.min(s);
         // A few cache lines between the buffers, so that `p` and `ds`, read together row by
         // row, do not start at the same offset in a 4 KiB page, where they would share L1
         // sets (a precaution: not measured on its own, only with the scratch as a whole).
         let pad = 48;
-        with_scratch(2 * rows * s + 3 * s * hd + 4 * pad, |scratch| {
+        with_scratch(2 * rows * s + 3 * s * hd + 4 * pad + 4 * copy, |scratch| {
             let (p, rest) = scratch.split_at_mut(rows * s + pad);
             let (ds, rest) = rest.split_at_mut(rows * s + pad);
             let (part, rest) = rest.split_at_mut(s * hd + pad);
-            let (dk, dv) = rest.split_at_mut(s * hd + pad);
+            let (dk, rest) = rest.split_at_mut(s * hd + pad);
+            let (dv, rest) = rest.split_at_mut(s * hd);
             let (dk, dv) = (&mut dk[..s * hd], &mut dv[..s * hd]);
+            let (k_copy, rest) = rest.split_at_mut(copy);
+            let (v_copy, rest) = rest.split_at_mut(copy);
+            let (q_copy, dout_copy) = rest.split_at_mut(copy);
             // The kv gradients accumulate over heads and blocks from zero.
             dk.fill(0.0);
             dv.fill(0.0);
-            let (ko, kl) = k.at(b, g);
-            let (vto, vtl) = v.at_t(b, g);
+            // SAFETY: the caller's contract: the heads lie in the arena.
+            let (kh, vh) = unsafe {
+                (
+                    head(products, arena, &k, (b, g), &d, k_copy),
+                    head(products, arena, &v, (b, g), &d, v_copy),
+                )
+            };
             for h in g * group..(g + 1) * group {
-                let (doo, dol) = dout.at(b, h);
-                let (qo, ql) = q.at(b, h);
+                // SAFETY: as above.
+                let (qh, doh) = unsafe {
+                    (
+                        head(products, arena, &q, (b, h), &d, q_copy),
+                        head(products, arena, &dout, (b, h), &d, dout_copy),
+                    )
+                };
                 for (r0, r1, n) in blocks(&d, BACKWARD_ROWS) {
                     let rows = r1 - r0;
-                    let (dob, qb) = (doo + r0 * dol.row_stride, qo + r0 * ql.row_stride);
                     // SAFETY: the caller's contract; each task writes only its own heads.
                     unsafe {
-                        probabilities(arena, &d, kernel, &q, &k, (b, h), (r0, r1, n), p);
-                        let p = &p[..rows * n];
+                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p);
+                        let p = &mut p[..rows * n];
                         let ds = &mut ds[..rows * n];
-                        // dv[..n] += pᵀ dout[r0..r1]
+                        // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place (from the f32 p).
+                        let vt = vh.t();
                         mm(
-                            kernel,
+                            products,
+                            rows,
+                            n,
+                            hd,
+                            doh.row(r0),
+                            doh.layout,
+                            vt.ptr,
+                            vt.layout,
+                            ds.as_mut_ptr(),
+                        );
+                        softmax_grad(p, ds, n);
+                        // dv[..n] += pᵀ dout[r0..r1]
+                        products.round_operand(p);
+                        mm(
+                            products,
                             n,
                             hd,
                             rows,
                             p.as_ptr(),
                             transposed(n),
-                            arena.0.add(dob),
-                            dol,
+                            doh.row(r0),
+                            doh.layout,
                             part.as_mut_ptr(),
                         );
                         dv.iter_mut()
                             .zip(&part[..n * hd])
                             .for_each(|(a, x)| *a += x);
-                        // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place.
-                        mm(
-                            kernel,
-                            rows,
-                            n,
-                            hd,
-                            arena.0.add(dob),
-                            dol,
-                            arena.0.add(vto),
-                            vtl,
-                            ds.as_mut_ptr(),
-                        );
-                        softmax_grad(p, ds, n);
                         // dq[r0..r1] = (ds k[..n]) * scale
+                        products.round_operand(ds);
                         mm(
-                            kernel,
+                            products,
                             rows,
                             hd,
                             n,
                             ds.as_ptr(),
                             row_major(n),
-                            arena.0.add(ko),
-                            kl,
+                            kh.ptr,
+                            kh.layout,
                             part.as_mut_ptr(),
                         );
                         let dq = &mut part[..rows * hd];
                         dq.iter_mut().for_each(|x| *x *= d.scale);
+                        products.round_result(dq);
                         grads.dq.write_rows(arena, (b, h), r0, dq, hd);
                         // dk[..n] += (dsᵀ q[r0..r1]) * scale
                         mm(
-                            kernel,
+                            products,
                             n,
                             hd,
                             rows,
                             ds.as_ptr(),
                             transposed(n),
-                            arena.0.add(qb),
-                            ql,
+                            qh.row(r0),
+                            qh.layout,
                             part.as_mut_ptr(),
                         );
                         dk.iter_mut()
@@ -449,6 +600,8 @@ pub unsafe fn backward(
                     }
                 }
             }
+            products.round_result(dk);
+            products.round_result(dv);
             // SAFETY: this task's kv head of the outputs.
             unsafe {
                 grads.dk.write_rows(arena, (b, g), 0, dk, hd);

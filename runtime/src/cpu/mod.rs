@@ -280,12 +280,7 @@ shape {:?} strides {:?}",
         // output over a live operand.
         let (pa, pb, pc) = unsafe { (self.base.add(ao), self.base.add(bo), self.base.add(co)) };
         let (la, lb, threads) = (layout(a), layout(b), units() as usize);
-        let bf16_tiles = match self.gemm {
-            gemm::GemmKernel::Widest => Some(gemm_bf16::Bf16Tiles::widest()),
-            gemm::GemmKernel::Avx512 => Some(gemm_bf16::Bf16Tiles::Vdpbf16ps),
-            _ => None,
-        };
-        let rounded_c = if let Some(tiles) = bf16_tiles.filter(|_| bf16 && gemm_bf16::available()) {
+        let rounded_c = if let Some(tiles) = self.bf16_tiles().filter(|_| bf16) {
             // SAFETY: as above; `widest` picks AMX only where it is available. Its packing
             // rounds every operand to bf16, its stores round C (the bf16 product's sums
             // rounded once, as the interpreter rounds them).
@@ -316,6 +311,29 @@ shape {:?} strides {:?}",
             bf16_pack::round_in_place(c);
         }
         Ok(())
+    }
+
+    /// The tiles bf16 products run on under the chosen GEMM, if the cpu has any (`None`: the
+    /// f32 GEMM over bf16 values).
+    fn bf16_tiles(&self) -> Option<gemm_bf16::Bf16Tiles> {
+        let tiles = match self.gemm {
+            gemm::GemmKernel::Widest => Some(gemm_bf16::Bf16Tiles::widest()),
+            gemm::GemmKernel::Avx512 => Some(gemm_bf16::Bf16Tiles::Vdpbf16ps),
+            _ => None,
+        };
+        tiles.filter(|_| gemm_bf16::available())
+    }
+
+    /// How an attention step's products run.
+    fn attention_products(&self, bf16: bool) -> attention::Products {
+        if bf16 {
+            attention::Products::Bf16 {
+                tiles: self.bf16_tiles(),
+                kernel: self.gemm,
+            }
+        } else {
+            attention::Products::F32(self.gemm)
+        }
     }
 
     fn host_step(&mut self, step: &Step) -> Result<(), RuntimeError> {
@@ -452,14 +470,17 @@ shape {:?} strides {:?}",
                 v,
                 causal,
                 scale,
+                bf16,
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
                 let out = self.output_heads(out)?;
+                let products = self.attention_products(*bf16);
                 // SAFETY: the views and the output lie in the arena, the output apart from them
-                // (the planner never places an output over a live operand).
+                // (the planner never places an output over a live operand); `products` names
+                // tiles only where the cpu has them.
                 unsafe {
-                    attention::forward(self.base, d, self.gemm, attention::Qkv { q, k, v }, out)
+                    attention::forward(self.base, d, products, attention::Qkv { q, k, v }, out)
                 };
             }
             Step::AdamW {
@@ -522,8 +543,10 @@ shape {:?} strides {:?}",
                 dout,
                 causal,
                 scale,
+                bf16,
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
+                let products = self.attention_products(*bf16);
                 let grads = attention::Grads {
                     dq: self.output_heads(dq)?,
                     dk: self.output_heads(dk)?,
@@ -540,7 +563,7 @@ shape {:?} strides {:?}",
                     attention::backward(
                         self.base,
                         d,
-                        self.gemm,
+                        products,
                         attention::Qkv { q, k, v },
                         dout,
                         grads,

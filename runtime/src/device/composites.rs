@@ -23,6 +23,7 @@
 //! What is not done yet: one unit per output row with no shared-memory tiling; correct, not
 //! fast, as the rest of the device backends.
 
+use super::kernels::rounded;
 use cubecl::prelude::*;
 
 /// Rotary embedding: for every `[B, S, H]` head and pair `(x1, x2)` of its `D` elements (`Half`:
@@ -258,7 +259,10 @@ impl Heads4 {
 }
 
 /// The attention kernels' shape: `heads` query heads in groups of `group` per kv head, `seq`
-/// rows each; `causal == 1` masks keys after the query row. The head's width `d` is a comptime
+/// rows each; `causal == 1` masks keys after the query row; `round_bf16 == 1` (bf16 attention,
+/// `Step::Attention`) rounds each operand element to bf16 as it is read, the probabilities and
+/// score gradients before the products that read them, and each output element as it is final,
+/// around an f32 computation like f32 attention's. The head's width `d` is a comptime
 /// argument of each kernel instead: its loops over a head's elements unroll, so a unit's loop
 /// trips are its keys' (lavapipe's budget, `shared::kernels::LOOP_BUDGET`), not keys x `d`.
 #[derive(CubeType, CubeLaunch, Clone, Copy)]
@@ -268,6 +272,7 @@ pub struct AttentionShape {
     pub seq: usize,
     pub causal: u32,
     pub scale: f32,
+    pub round_bf16: u32,
 }
 
 /// Query row `e` of `[B, H, S, D]`: its batch, head, row, kv head, and how many keys it sees.
@@ -301,7 +306,8 @@ impl AttentionShape {
 }
 
 /// The score `(q_i · k_j) · scale` of query row `q` (element stride `qd`) against key row `k`
-/// (element stride `kd`) over `d` elements.
+/// (element stride `kd`) over `d` elements, each element rounded to bf16 as it is read where
+/// `round == 1` (bf16 attention, whose operands may be f32 a fused cast left unrounded).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn score(
@@ -312,12 +318,13 @@ fn score(
     k: usize,
     kd: usize,
     scale: f32,
+    round: u32,
     #[comptime] d: usize,
 ) -> f32 {
     let mut dot = f32::new(0.0);
     #[unroll]
     for x in 0..d {
-        dot += q_buf[q + x * qd] * k_buf[k + x * kd];
+        dot += rounded(q_buf[q + x * qd], round) * rounded(k_buf[k + x * kd], round);
     }
     dot * scale
 }
@@ -346,12 +353,13 @@ fn softmax_stats(
     kd: usize,
     keys: usize,
     scale: f32,
+    round: u32,
     #[comptime] d: usize,
 ) -> Softmax {
-    let mut mx = score(q_buf, q, qd, k_buf, k, kd, scale, d);
+    let mut mx = score(q_buf, q, qd, k_buf, k, kd, scale, round, d);
     let mut sum = f32::new(1.0);
     for j in 1..keys {
-        let s = score(q_buf, q, qd, k_buf, k + j * kr, kd, scale, d);
+        let s = score(q_buf, q, qd, k_buf, k + j * kr, kd, scale, round, d);
         if s > mx {
             sum = sum * f32::exp(mx - s) + f32::new(1.0);
             mx = s;
@@ -390,23 +398,47 @@ pub fn attention_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let oi = o.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, d);
+        let stats_i = softmax_stats(
+            q_buf,
+            qi,
+            q.s3,
+            k_buf,
+            kb,
+            k.s2,
+            k.s3,
+            keys,
+            scale,
+            shape.round_bf16,
+            d,
+        );
         let mx = stats_i.max;
         let sum = stats_i.sum;
         #[unroll]
         for x in 0..d {
             o_buf[oi + x] = f32::new(0.0);
         }
+        // f32 sums unnormalized weights and divides once; bf16 attention's product reads each
+        // probability rounded to bf16 (the cpu's and torch's bf16 attention), so it normalizes
+        // first.
+        let round = shape.round_bf16;
         for j in 0..keys {
-            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx);
+            let mut p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, round, d) - mx);
+            if round == 1 {
+                p = rounded(p / sum, round);
+            }
             #[unroll]
             for x in 0..d {
-                o_buf[oi + x] += p * v_buf[vb + j * v.s2 + x * v.s3];
+                o_buf[oi + x] += p * rounded(v_buf[vb + j * v.s2 + x * v.s3], round);
             }
         }
         #[unroll]
         for x in 0..d {
-            o_buf[oi + x] /= sum;
+            let mut o = o_buf[oi + x];
+            if round == 0 {
+                o /= sum;
+            }
+            o_buf[oi + x] = rounded(o, round);
         }
         e += units;
     }
@@ -446,13 +478,36 @@ pub fn attention_dq_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let di = dq.row(r.b, r.h, r.i);
-        let stats_i = softmax_stats(q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, d);
+        let stats_i = softmax_stats(
+            q_buf,
+            qi,
+            q.s3,
+            k_buf,
+            kb,
+            k.s2,
+            k.s3,
+            keys,
+            scale,
+            shape.round_bf16,
+            d,
+        );
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);
         for j in 0..keys {
-            let p =
-                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx) / sum;
+            let p = f32::exp(
+                score(
+                    q_buf,
+                    qi,
+                    q.s3,
+                    k_buf,
+                    kb + j * k.s2,
+                    k.s3,
+                    scale,
+                    shape.round_bf16,
+                    d,
+                ) - mx,
+            ) / sum;
             delta += p * score(
                 g_buf,
                 gi,
@@ -461,6 +516,7 @@ pub fn attention_dq_kernel(
                 vb + j * v.s2,
                 v.s3,
                 f32::new(1.0),
+                shape.round_bf16,
                 d,
             );
         }
@@ -472,8 +528,19 @@ pub fn attention_dq_kernel(
             dq_buf[di + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p =
-                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, d) - mx) / sum;
+            let p = f32::exp(
+                score(
+                    q_buf,
+                    qi,
+                    q.s3,
+                    k_buf,
+                    kb + j * k.s2,
+                    k.s3,
+                    scale,
+                    shape.round_bf16,
+                    d,
+                ) - mx,
+            ) / sum;
             let dp = score(
                 g_buf,
                 gi,
@@ -482,17 +549,18 @@ pub fn attention_dq_kernel(
                 vb + j * v.s2,
                 v.s3,
                 f32::new(1.0),
+                shape.round_bf16,
                 d,
             );
-            let ds = p * (dp - delta);
+            let ds = rounded(p * (dp - delta), shape.round_bf16);
             #[unroll]
             for x in 0..d {
-                dq_buf[di + x] += ds * k_buf[kb + j * k.s2 + x * k.s3];
+                dq_buf[di + x] += ds * rounded(k_buf[kb + j * k.s2 + x * k.s3], shape.round_bf16);
             }
         }
         #[unroll]
         for x in 0..d {
-            dq_buf[di + x] *= scale;
+            dq_buf[di + x] = rounded(dq_buf[di + x] * scale, shape.round_bf16);
         }
         e += units;
     }
@@ -559,20 +627,35 @@ pub fn attention_kv_backward_kernel(
             let qi = q.row(b, h, i);
             let gi = g.row(b, h, i);
             let row = stats + 3 * ((b * heads + h) * seq + i);
-            let p = f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, scale, d) - stats_buf[row])
-                / stats_buf[row + 1];
-            let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, f32::new(1.0), d);
-            let ds = p * (dp - stats_buf[row + 2]);
+            let p = f32::exp(
+                score(q_buf, qi, q.s3, k_buf, kj, k.s3, scale, shape.round_bf16, d)
+                    - stats_buf[row],
+            ) / stats_buf[row + 1];
+            let dp = score(
+                g_buf,
+                gi,
+                g.s3,
+                v_buf,
+                vj,
+                v.s3,
+                f32::new(1.0),
+                shape.round_bf16,
+                d,
+            );
+            // bf16 attention's products read `p` and `ds` rounded (`ds` from the f32 `p`).
+            let ds = rounded(p * (dp - stats_buf[row + 2]), shape.round_bf16);
+            let p = rounded(p, shape.round_bf16);
             #[unroll]
             for x in 0..d {
-                dv_buf[dvj + x] += p * g_buf[gi + x * g.s3];
-                dk_buf[dkj + x] += ds * q_buf[qi + x * q.s3];
+                dv_buf[dvj + x] += p * rounded(g_buf[gi + x * g.s3], shape.round_bf16);
+                dk_buf[dkj + x] += ds * rounded(q_buf[qi + x * q.s3], shape.round_bf16);
             }
         }
         if member + 1 == group {
             #[unroll]
             for x in 0..d {
-                dk_buf[dkj + x] *= scale;
+                dk_buf[dkj + x] = rounded(dk_buf[dkj + x] * scale, shape.round_bf16);
+                dv_buf[dvj + x] = rounded(dv_buf[dvj + x], shape.round_bf16);
             }
         }
         e += units;

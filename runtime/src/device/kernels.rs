@@ -65,7 +65,7 @@ pub fn matmul_kernel(
 #[cube]
 // `x == x` is false for NaN only: the test the map kernels' `RoundBf16` makes too.
 #[allow(clippy::eq_op)]
-fn rounded(x: f32, round_bf16: u32) -> f32 {
+pub(super) fn rounded(x: f32, round_bf16: u32) -> f32 {
     let mut out = x;
     if round_bf16 == 1 {
         let bits = u32::reinterpret(x);

@@ -1410,6 +1410,7 @@ and {n} targets",
                 v,
                 causal,
                 scale,
+                bf16,
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let q4 = self.view4(q, "attention's queries")?;
@@ -1440,7 +1441,7 @@ and {n} targets",
                         k4,
                         v4,
                         o4,
-                        attention_shape(&d),
+                        attention_shape(&d, *bf16),
                         total,
                         d.head_dim,
                     )
@@ -1456,6 +1457,7 @@ and {n} targets",
                 dout,
                 causal,
                 scale,
+                bf16,
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let q4 = self.view4(q, "attention's queries")?;
@@ -1496,7 +1498,7 @@ and {n} targets",
                         g,
                         dq,
                         stats,
-                        attention_shape(&d),
+                        attention_shape(&d, *bf16),
                         rows,
                         d.head_dim,
                     );
@@ -1528,7 +1530,7 @@ and {n} targets",
                             dk,
                             dv,
                             stats,
-                            attention_shape(&d),
+                            attention_shape(&d, *bf16),
                             member,
                             key_rows,
                             d.head_dim,
@@ -1543,13 +1545,14 @@ and {n} targets",
 }
 
 /// The attention kernels' shape for `d`.
-fn attention_shape(d: &Dims) -> AttentionShapeLaunch {
+fn attention_shape(d: &Dims, bf16: bool) -> AttentionShapeLaunch {
     AttentionShapeLaunch::new(
         d.heads,
         d.heads / d.kv_heads,
         d.seq,
         u32::from(d.causal),
         d.scale,
+        u32::from(bf16),
     )
 }
 
