@@ -258,14 +258,11 @@ impl Mat {
     }
 }
 
-/// Head `(b, h)` of `x` as the products read it: in place where its rows are contiguous and
-/// the products read it as it is; else copied into `copy` (`S x D` row-major): a head whose
-/// rows are strided (`[B, S, H, D]` read as `[B, H, S, D]`, the fused step's q, k and v, one
-/// 128-byte row per 1 KiB on `peer`) crowds a few L1 sets, and every product of the task
-/// reads it again (`attention_cost ... strided`: 30% slower than contiguous heads), and where
-/// bf16 attention runs on the f32 GEMM (which reads what it is given) the copy is rounded to
-/// bf16, as the bf16 tiles' packing rounds it (an operand a fused cast left in f32; the
-/// identity on bf16 values).
+/// Head `(b, h)` of `x` as the products read it: in place, or, where bf16 attention runs on
+/// the f32 GEMM (which reads what it is given), rounded to bf16 into `copy` (`S x D` row-major),
+/// as the bf16 tiles' packing rounds it (an operand a fused cast left in f32; the identity on
+/// bf16 values). (Copying strided heads into contiguous ones for every kind of product was
+/// tried: no faster, `attention_cost ... strided`.)
 ///
 /// # Safety
 /// The head lies in the arena.
@@ -279,26 +276,16 @@ unsafe fn head(
 ) -> Mat {
     let (o, l) = x.at(b, h);
     let at = arena.0.wrapping_add(o) as *const f32;
-    let hd = d.head_dim;
-    let round = products.copies_operands();
-    if !round && l.col_stride == 1 && (l.row_stride == hd || d.seq == 1) {
+    if !products.copies_operands() {
         return Mat { ptr: at, layout: l };
     }
+    let hd = d.head_dim;
     for (r, row) in copy[..d.seq * hd].chunks_exact_mut(hd).enumerate() {
-        if l.col_stride == 1 {
-            // SAFETY: row r's `hd` elements are inside the head (the caller's contract).
-            row.copy_from_slice(unsafe {
-                std::slice::from_raw_parts(at.add(r * l.row_stride), hd)
-            });
-        } else {
-            for (c, y) in row.iter_mut().enumerate() {
-                // SAFETY: (r, c) is inside the head (the caller's contract).
-                *y = unsafe { *at.add(r * l.row_stride + c * l.col_stride) };
-            }
+        for (c, y) in row.iter_mut().enumerate() {
+            // SAFETY: (r, c) is inside the head (the caller's contract).
+            *y = unsafe { *at.add(r * l.row_stride + c * l.col_stride) };
         }
-        if round {
-            bf16_pack::round_in_place(row);
-        }
+        bf16_pack::round_in_place(row);
     }
     Mat {
         ptr: copy.as_ptr(),
@@ -408,8 +395,12 @@ pub unsafe fn forward(base: *mut f32, d: Dims, products: Products, qkv: Qkv, out
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
-    // Copies of k, v and one query head, where the products need them (`head`).
-    let copy = s * hd;
+    // Rounded copies of k, v and one query head, where the products need them (`head`).
+    let copy = if products.copies_operands() {
+        s * hd
+    } else {
+        0
+    };
     Pool::current().run(d.batch * d.kv_heads, &|task| {
         // Consecutive tasks, which the threads take at the same time, are different batches:
         // as neighbouring heads of one batch they wrote the interleaved rows of one `[B, S, H,
@@ -494,9 +485,13 @@ pub unsafe fn backward(
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
     let (s, hd) = (d.seq, d.head_dim);
-    // Copies of k, v, one query head and its output gradient, where the products need them
-    // (`head`).
-    let copy = s * hd;
+    // Rounded copies of k, v, one query head and its output gradient, where the products need
+    // them (`head`).
+    let copy = if products.copies_operands() {
+        s * hd
+    } else {
+        0
+    };
     Pool::current().run(d.batch * d.kv_heads, &|task| {
         // Consecutive tasks are different batches (as in `forward`).
         let (b, g) = (task % d.batch, task / d.batch);
