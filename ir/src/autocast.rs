@@ -11,10 +11,10 @@
 //!
 //! Attention in bf16 is torch's autocast policy for `scaled_dot_product_attention` too: its
 //! gradient (`attention_backward`) then reads bf16 q, k, v and output gradient and gives bf16
-//! gradients, cast back to f32 by the casts' own gradients. The interpreter computes it exactly
-//! on the bf16 values and rounds the results; the cpu backend reads the probabilities in bf16
-//! where its products do, as torch's cpu kernel does (`runtime/src/cpu/attention.rs`), within
-//! the tolerance the gate gives bf16 results.
+//! gradients, cast back to f32 by the casts' own gradients. What bf16 attention computes is
+//! `Step::Attention`'s contract (graphtrain-lowering), torch's cpu kernel's: its products read
+//! bf16 operands, probabilities and score gradients and sum in f32; the interpreter computes the
+//! same in f64.
 //!
 //! Declines: nothing; a graph with no f32 matmul or attention comes back unchanged.
 

@@ -13,8 +13,8 @@
 //! - bf16-mixed's casts: a cast of f32 to bf16 that only bf16 matmuls and bf16 attention read
 //!   (through layout ops) is a view of its operand, which those steps round as they read it
 //!   (`Bf16Rounding::a`/`b`, and bf16 attention's contract: the same rounding the cast kernel
-//!   does); a cast that changes no
-//!   stored bit (bf16 widened to f32: bf16 is held in f32 slots), of a value in memory, that
+//!   does); a cast that changes no stored bit (bf16 widened to f32: bf16 is held in f32
+//!   slots), of a value in memory, that
 //!   only elementwise ops and views read is that value (its readers read the operand). Neither
 //!   takes a kernel or arena bytes: the weights are no longer transposed and rounded into a copy
 //!   for every matmul, no bf16 copy is held until the backward, and SiLU's output is recomputed
@@ -187,8 +187,9 @@ pub(crate) fn fused_steps(
                 && only_rounding_readers_read(g, &consumers, &is_output, n.outputs[0])
         })
         .collect();
-    // Values holding f32 that their readers (bf16 matmuls only) round: folded casts and the
-    // layout ops over them.
+    // Values holding f32 that their readers (bf16 matmuls and attention) round: folded casts
+    // and the layout ops over them (a matmul is told so, `Bf16Rounding`; bf16 attention always
+    // rounds what it reads).
     let mut holds_unrounded = vec![false; nv];
     // A matmul reads views whose batch dims collapse into one.
     let collapses = |v: &View| {

@@ -194,8 +194,8 @@ fn check_dtypes(g: &Graph, folded: &[bool]) -> Result<(), LowerError> {
         for o in &n.outputs {
             let d = g.ty(*o).dtype;
             if d == DType::BF16 {
-                // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls, attention) or only
-                // moves bf16 values (layout ops) may produce it.
+                // Held as f32 rounded to bf16: what rounds (elementwise ops, matmuls, attention)
+                // or only moves bf16 values (layout ops) may produce it.
                 // Collectives move bf16 as they are, and round a sum once (the communicators).
                 let holds_bf16 = crate::eager::elementwise_expr(g, k).is_some()
                     || matches!(

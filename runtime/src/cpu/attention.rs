@@ -17,13 +17,14 @@
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
 //!
-//! bf16 attention (`Products::Bf16`, bf16-mixed's; torch's cpu flash attention computes the
-//! same way): q, k, v and dout hold bf16 values; every product reads bf16 operands and sums in
-//! f32, so `p` and `ds` are rounded to bf16 where a product reads them, while the softmax, `ds`
-//! itself (from the f32 `p`) and the kv gradients' sums over heads and blocks stay f32; the
-//! outputs are rounded to bf16 as they are written. The products run on the bf16 GEMM's tiles
-//! (AMX, `vdpbf16ps`) where the cpu has them, whose packing rounds; elsewhere on the f32 GEMM
-//! after `p` and `ds` are rounded in place (the same products, summed in another order).
+//! bf16 attention (`Products::Bf16`, bf16-mixed's, `Step::Attention`'s contract; torch's cpu
+//! flash attention computes the same way): every product reads bf16 operands and sums in f32,
+//! so q, k, v and dout (f32 where fusion folded their casts), `p` and `ds` are rounded to bf16
+//! where a product reads them, while the softmax, `ds` itself (from the f32 `p`) and the kv
+//! gradients' sums over heads and blocks stay f32; the outputs are rounded to bf16 as they are
+//! written. The products run on the bf16 GEMM's tiles (AMX, `vdpbf16ps`) where the cpu has
+//! them, whose packing rounds; elsewhere on the f32 GEMM over rounded copies of the heads and
+//! `p` and `ds` rounded in place (the same products, summed in another order).
 
 use super::bf16_pack;
 use super::gemm::{self, Layout};
