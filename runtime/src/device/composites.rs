@@ -398,18 +398,9 @@ pub fn attention_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let oi = o.row(r.b, r.h, r.i);
+        let round = shape.round_bf16;
         let stats_i = softmax_stats(
-            q_buf,
-            qi,
-            q.s3,
-            k_buf,
-            kb,
-            k.s2,
-            k.s3,
-            keys,
-            scale,
-            shape.round_bf16,
-            d,
+            q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, round, d,
         );
         let mx = stats_i.max;
         let sum = stats_i.sum;
@@ -420,7 +411,6 @@ pub fn attention_kernel(
         // f32 sums unnormalized weights and divides once; bf16 attention's product reads each
         // probability rounded to bf16 (the cpu's and torch's bf16 attention), so it normalizes
         // first.
-        let round = shape.round_bf16;
         for j in 0..keys {
             let mut p =
                 f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, round, d) - mx);
@@ -478,36 +468,17 @@ pub fn attention_dq_kernel(
         let kb = k.row(r.b, r.kvh, 0);
         let vb = v.row(r.b, r.kvh, 0);
         let di = dq.row(r.b, r.h, r.i);
+        let round = shape.round_bf16;
         let stats_i = softmax_stats(
-            q_buf,
-            qi,
-            q.s3,
-            k_buf,
-            kb,
-            k.s2,
-            k.s3,
-            keys,
-            scale,
-            shape.round_bf16,
-            d,
+            q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, round, d,
         );
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);
         for j in 0..keys {
-            let p = f32::exp(
-                score(
-                    q_buf,
-                    qi,
-                    q.s3,
-                    k_buf,
-                    kb + j * k.s2,
-                    k.s3,
-                    scale,
-                    shape.round_bf16,
-                    d,
-                ) - mx,
-            ) / sum;
+            let p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, round, d) - mx)
+                    / sum;
             delta += p * score(
                 g_buf,
                 gi,
@@ -516,7 +487,7 @@ pub fn attention_dq_kernel(
                 vb + j * v.s2,
                 v.s3,
                 f32::new(1.0),
-                shape.round_bf16,
+                round,
                 d,
             );
         }
@@ -528,19 +499,9 @@ pub fn attention_dq_kernel(
             dq_buf[di + x] = f32::new(0.0);
         }
         for j in 0..keys {
-            let p = f32::exp(
-                score(
-                    q_buf,
-                    qi,
-                    q.s3,
-                    k_buf,
-                    kb + j * k.s2,
-                    k.s3,
-                    scale,
-                    shape.round_bf16,
-                    d,
-                ) - mx,
-            ) / sum;
+            let p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kb + j * k.s2, k.s3, scale, round, d) - mx)
+                    / sum;
             let dp = score(
                 g_buf,
                 gi,
@@ -549,18 +510,18 @@ pub fn attention_dq_kernel(
                 vb + j * v.s2,
                 v.s3,
                 f32::new(1.0),
-                shape.round_bf16,
+                round,
                 d,
             );
-            let ds = rounded(p * (dp - delta), shape.round_bf16);
+            let ds = rounded(p * (dp - delta), round);
             #[unroll]
             for x in 0..d {
-                dq_buf[di + x] += ds * rounded(k_buf[kb + j * k.s2 + x * k.s3], shape.round_bf16);
+                dq_buf[di + x] += ds * rounded(k_buf[kb + j * k.s2 + x * k.s3], round);
             }
         }
         #[unroll]
         for x in 0..d {
-            dq_buf[di + x] = rounded(dq_buf[di + x] * scale, shape.round_bf16);
+            dq_buf[di + x] = rounded(dq_buf[di + x] * scale, round);
         }
         e += units;
     }
@@ -600,6 +561,7 @@ pub fn attention_kv_backward_kernel(
     let group = shape.group;
     let seq = shape.seq;
     let scale = shape.scale;
+    let round = shape.round_bf16;
     let kv_heads = heads / group;
     let mut e = ABSOLUTE_POS;
     while e < total {
@@ -627,35 +589,24 @@ pub fn attention_kv_backward_kernel(
             let qi = q.row(b, h, i);
             let gi = g.row(b, h, i);
             let row = stats + 3 * ((b * heads + h) * seq + i);
-            let p = f32::exp(
-                score(q_buf, qi, q.s3, k_buf, kj, k.s3, scale, shape.round_bf16, d)
-                    - stats_buf[row],
-            ) / stats_buf[row + 1];
-            let dp = score(
-                g_buf,
-                gi,
-                g.s3,
-                v_buf,
-                vj,
-                v.s3,
-                f32::new(1.0),
-                shape.round_bf16,
-                d,
-            );
+            let p =
+                f32::exp(score(q_buf, qi, q.s3, k_buf, kj, k.s3, scale, round, d) - stats_buf[row])
+                    / stats_buf[row + 1];
+            let dp = score(g_buf, gi, g.s3, v_buf, vj, v.s3, f32::new(1.0), round, d);
             // bf16 attention's products read `p` and `ds` rounded (`ds` from the f32 `p`).
-            let ds = rounded(p * (dp - stats_buf[row + 2]), shape.round_bf16);
-            let p = rounded(p, shape.round_bf16);
+            let ds = rounded(p * (dp - stats_buf[row + 2]), round);
+            let p = rounded(p, round);
             #[unroll]
             for x in 0..d {
-                dv_buf[dvj + x] += p * rounded(g_buf[gi + x * g.s3], shape.round_bf16);
-                dk_buf[dkj + x] += ds * rounded(q_buf[qi + x * q.s3], shape.round_bf16);
+                dv_buf[dvj + x] += p * rounded(g_buf[gi + x * g.s3], round);
+                dk_buf[dkj + x] += ds * rounded(q_buf[qi + x * q.s3], round);
             }
         }
         if member + 1 == group {
             #[unroll]
             for x in 0..d {
-                dk_buf[dkj + x] = rounded(dk_buf[dkj + x] * scale, shape.round_bf16);
-                dv_buf[dvj + x] = rounded(dv_buf[dvj + x], shape.round_bf16);
+                dk_buf[dkj + x] = rounded(dk_buf[dkj + x] * scale, round);
+                dv_buf[dvj + x] = rounded(dv_buf[dvj + x], round);
             }
         }
         e += units;
