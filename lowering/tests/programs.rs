@@ -409,3 +409,34 @@ fn bf16_casts_fold_into_the_matmuls_that_read_them() {
 }"
     ));
 }
+
+// bf16 attention (bf16-mixed's): fused, the casts of q (through its transpose), k, v and the
+// output gradient are views that the attention steps round as they read them, and each result
+// is written through its widening cast straight into its transposed reader; eager materializes
+// every cast. Numerics: tests/backends.rs, `bf16_attention_matches_the_interpreter_on_every_kernel`.
+#[test]
+fn bf16_casts_fold_into_attention_and_its_gradient() {
+    insta::assert_snapshot!(both(
+        "graph mixed {
+  input %x: f32[1,4,2,8]
+  input %k: f32[1,2,4,8]
+  input %v: f32[1,2,4,8]
+  input %g: f32[1,2,4,8]
+  %4: f32[1,2,4,8] = transpose(%x, perm=[0,2,1,3])
+  %5: bf16[1,2,4,8] = cast(%4, dtype=bf16)
+  %6: bf16[1,2,4,8] = cast(%k, dtype=bf16)
+  %7: bf16[1,2,4,8] = cast(%v, dtype=bf16)
+  %8: bf16[1,2,4,8] = cast(%g, dtype=bf16)
+  %9: bf16[1,2,4,8] = attention(%5, %6, %7, causal=true, scale=0.25)
+  %10: f32[1,2,4,8] = cast(%9, dtype=f32)
+  %11: f32[1,4,2,8] = transpose(%10, perm=[0,2,1,3])
+  %12: bf16[1,2,4,8], %13: bf16[1,2,4,8], %14: bf16[1,2,4,8] = attention_backward(%5, %6, %7, %8, causal=true, scale=0.25)
+  %15: f32[1,2,4,8] = cast(%12, dtype=f32)
+  %16: f32[1,4,2,8] = transpose(%15, perm=[0,2,1,3])
+  output o = %11
+  output dq = %16
+  output dk = %13
+  output dv = %14
+}"
+    ));
+}
