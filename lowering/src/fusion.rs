@@ -492,17 +492,7 @@ pub(crate) fn fused_steps(
         // product's only reader may be its widening cast, read only by that transpose (the
         // same weight gradients under bf16-mixed): the bf16 result is the cast's value.
         let rounds_out = out_ty.dtype == DType::BF16;
-        let transposed_reader = match cons.as_slice() {
-            [c] if rounds_out && widens_bf16(g, *c) => {
-                let cast_out = g.nodes[*c].outputs[0];
-                match consumers[cast_out.index()].as_slice() {
-                    [t] if !is_output[cast_out.index()] => Some((Some(*c), *t)),
-                    _ => None,
-                }
-            }
-            [t] => Some((None, *t)),
-            _ => None,
-        };
+        let transposed_reader = sole_reader_through_widening(g, &consumers, &is_output, out);
         if let (Op::Matmul, Some((cast, t))) = (&n.op, transposed_reader) {
             let r = out_ty.shape.len();
             let swaps_last_two = match &g.nodes[t].op {
@@ -570,23 +560,19 @@ pub(crate) fn fused_steps(
                     continue;
                 }
                 // bf16 attention's result is read through its widening cast (the same bits).
-                let (cast, read) = match consumers[o.base.index()].as_slice() {
-                    [c] if widens_bf16(g, *c) && !is_output[g.nodes[*c].outputs[0].index()] => {
-                        (Some(*c), g.nodes[*c].outputs[0])
-                    }
-                    _ => (None, o.base),
-                };
-                let [t] = consumers[read.index()].as_slice() else {
+                let Some((cast, t)) =
+                    sole_reader_through_widening(g, &consumers, &is_output, o.base)
+                else {
                     continue;
                 };
                 let swaps_heads =
-                    matches!(&g.nodes[*t].op, Op::Transpose { perm } if perm == &[0, 2, 1, 3]);
+                    matches!(&g.nodes[t].op, Op::Transpose { perm } if perm == &[0, 2, 1, 3]);
                 let cast_free = cast.is_none_or(|c| !folded[c] && !done[c]);
-                if swaps_heads && cast_free && !folded[*t] && !done[*t] {
-                    let t_out = g.nodes[*t].outputs[0];
+                if swaps_heads && cast_free && !folded[t] && !done[t] {
+                    let t_out = g.nodes[t].outputs[0];
                     *o =
                         transpose_view(&View::contiguous(t_out, &g.ty(t_out).shape), &[0, 2, 1, 3]);
-                    done[*t] = true;
+                    done[t] = true;
                     if let Some(c) = cast {
                         done[c] = true;
                     }
@@ -596,6 +582,28 @@ pub(crate) fn fused_steps(
         steps.extend(structural);
     }
     Ok(steps)
+}
+
+/// The one node that reads `v`, looking through a widening cast of a bf16 `v` (the same bits)
+/// when the cast is all that reads `v`: `(the cast, the reader)`. `None` where `v` or the cast
+/// has several readers, or the cast is a graph output.
+fn sole_reader_through_widening(
+    g: &Graph,
+    consumers: &[Vec<usize>],
+    is_output: &[bool],
+    v: ValueId,
+) -> Option<(Option<usize>, usize)> {
+    match consumers[v.index()].as_slice() {
+        [c] if widens_bf16(g, *c) => {
+            let cast_out = g.nodes[*c].outputs[0];
+            match consumers[cast_out.index()].as_slice() {
+                [t] if !is_output[cast_out.index()] => Some((Some(*c), *t)),
+                _ => None,
+            }
+        }
+        [t] => Some((None, *t)),
+        _ => None,
+    }
 }
 
 /// Whether node `c` is a cast of bf16 to f32: the same bits, as bf16 is held in f32 slots.

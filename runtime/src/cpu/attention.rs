@@ -281,13 +281,14 @@ unsafe fn head(
         return Mat { ptr: at, layout: l };
     }
     let hd = d.head_dim;
-    for (r, row) in copy[..d.seq * hd].chunks_exact_mut(hd).enumerate() {
+    let copy = &mut copy[..d.seq * hd];
+    for (r, row) in copy.chunks_exact_mut(hd).enumerate() {
         for (c, y) in row.iter_mut().enumerate() {
             // SAFETY: (r, c) is inside the head (the caller's contract).
             *y = unsafe { *at.add(r * l.row_stride + c * l.col_stride) };
         }
-        bf16_pack::round_in_place(row);
     }
+    bf16_pack::round_in_place(copy);
     Mat {
         ptr: copy.as_ptr(),
         layout: row_major(hd),
