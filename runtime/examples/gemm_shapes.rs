@@ -1,7 +1,9 @@
 //! GFLOP/s of the native GEMM on the shapes `peer`'s train step runs (from its profile), called
 //! directly on host buffers, on one thread and on the pool's full width.
-//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS] [KERNEL]`, KERNEL
-//! `f32` (the default), `vdpbf16ps` or `amx` (the bf16 GEMM's tiles, where the cpu has them).
+//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS] [KERNEL] [sums]`,
+//! KERNEL `f32` (the default), `vdpbf16ps` or `amx` (the bf16 GEMM's tiles, where the cpu has
+//! them), which round C to bf16 as a bf16 matmul does, or with `sums` leave its f32 sums (what
+//! the rounding costs).
 //!
 //! This machine's speed drifts by up to 1.5x within seconds (a shared host: a register-only FMA
 //! loop measured 92-153 GFLOP/s per core within a minute), so compare two builds by alternating
@@ -47,6 +49,11 @@ fn main() {
         Some("amx") => Some(Bf16Tiles::Amx),
         Some(other) => panic!("KERNEL is f32, vdpbf16ps or amx, not {other}"),
     };
+    let round_c = match std::env::args().nth(3).as_deref() {
+        None => true,
+        Some("sums") => false,
+        Some(other) => panic!("the third argument is `sums` or nothing, not {other}"),
+    };
     match tiles {
         Some(Bf16Tiles::Amx) => assert!(gemm_amx::available(), "this cpu runs no AMX tiles"),
         Some(Bf16Tiles::Vdpbf16ps) => assert!(gemm_bf16::available(), "no AVX512_BF16 here"),
@@ -70,7 +77,7 @@ fn main() {
                 let (pa, pb, pc) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
                 match tiles {
                     Some(tiles) => {
-                        gemm_bf16::gemm_bf16(tiles, 1, m, n, k, pa, la, pb, lb, pc, t, true)
+                        gemm_bf16::gemm_bf16(tiles, 1, m, n, k, pa, la, pb, lb, pc, t, round_c)
                     }
                     None => sgemm(1, m, n, k, pa, la, pb, lb, pc, t),
                 }

@@ -29,6 +29,7 @@
 use super::bf16_pack;
 use super::gemm::{self, Layout};
 use super::gemm_bf16::{gemm_bf16, Bf16Tiles};
+use super::lines::LineBuffer;
 use super::pool::{Pool, TaskPtr};
 use super::rows::{exp, row_dot, row_max, row_sum};
 pub use crate::shared::attention_shape::Dims;
@@ -333,15 +334,11 @@ unsafe fn probabilities(
 /// the backward 1-2% faster (alternated in one process, `attention_cost`'s shape).
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     thread_local! {
-        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        // On a cache line: the products' tiles store `p` and the partial gradients into it.
+        static SCRATCH: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
     }
     SCRATCH.with(|s| match s.try_borrow_mut() {
-        Ok(mut s) => {
-            if s.len() < len {
-                s.resize(len, 0.0);
-            }
-            f(&mut s[..len])
-        }
+        Ok(mut s) => f(s.f32s(len)),
         // Attention inside an attention task on this thread (none does so) gets its own.
         Err(_) => f(&mut vec![0.0; len]),
     })

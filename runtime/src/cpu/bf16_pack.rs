@@ -104,6 +104,49 @@ pub unsafe fn round_rows(x: *mut f32, stride: usize, rows: usize, cols: usize) {
     }
 }
 
+/// Row r of `dst` (`cols` elements, `dst_stride` apart) = row r of `src` (`src_stride` apart),
+/// rounded to bf16 where `round` (a stored tile of C on its way from L1 scratch to C).
+///
+/// # Safety
+/// Those elements readable at `src`, writable at `dst`; the two do not overlap.
+pub unsafe fn copy_rows(
+    src: *const f32,
+    src_stride: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+    (rows, cols): (usize, usize),
+    round: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        for r in 0..rows {
+            // SAFETY: row r's `cols` elements (the caller's contract); AVX-512F is present.
+            unsafe {
+                simd::copy(
+                    src.add(r * src_stride),
+                    dst.add(r * dst_stride),
+                    cols,
+                    round,
+                )
+            };
+        }
+        return;
+    }
+    for r in 0..rows {
+        for c in 0..cols {
+            // SAFETY: (r, c) inside both (the caller's contract).
+            unsafe {
+                let x = *src.add(r * src_stride + c);
+                *dst.add(r * dst_stride + c) = if round {
+                    graphtrain_ir::host_tensor::round_bf16(x)
+                } else {
+                    x
+                };
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub use simd::{columns_to_rows, rows_to_columns};
 
@@ -190,6 +233,24 @@ mod simd {
             unsafe {
                 let v = load(x.add(done), live);
                 _mm512_mask_storeu_epi32(x.add(done) as *mut i32, mask(live), rounded(v));
+            }
+            done += live;
+        }
+    }
+
+    /// # Safety
+    /// `len` elements readable at `src` and writable at `dst`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn copy(src: *const f32, dst: *mut f32, len: usize, round: bool) {
+        let mut done = 0;
+        while done < len {
+            let live = (len - done).min(16);
+            // SAFETY: `live` lanes from `done` are inside the caller's buffers.
+            unsafe {
+                let v = load(src.add(done), live);
+                let v = if round { rounded(v) } else { v };
+                _mm512_mask_storeu_epi32(dst.add(done) as *mut i32, mask(live), v);
             }
             done += live;
         }

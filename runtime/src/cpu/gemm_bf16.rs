@@ -23,6 +23,7 @@
 use super::bf16_pack::{self, neighbours, pair, side_by_side};
 use super::gemm::Layout;
 use super::gemm_amx::{self, BLOCK_COLS, BLOCK_ROWS, TILE_PAIRS};
+use super::lines::LineBuffer;
 use super::pool::{Pool, TaskPtr};
 use std::cell::RefCell;
 use std::thread::LocalKey;
@@ -106,7 +107,8 @@ pub unsafe fn gemm_bf16(
     let panel_len = panel_pairs * NR;
     // B shared by every batch (a weight) is packed once.
     let b_batches = if lb.batch_stride == 0 { 1 } else { batch };
-    let mut packed_b = take_buffer(&PACKED_B, b_batches * panels * panel_len);
+    let mut packed_b_buffer = take_buffer(&PACKED_B);
+    let packed_b = packed_b_buffer.u32s(b_batches * panels * panel_len);
     let pb = TaskPtr(packed_b.as_mut_ptr());
     let pool = Pool::current();
     let run = |tasks: usize, f: &(dyn Fn(usize) + Sync)| {
@@ -191,11 +193,12 @@ pub unsafe fn gemm_bf16(
     let ap = TaskPtr(a as *mut f32);
     let a_block_len = BLOCK_ROWS * panel_pairs;
     let a_blocks = m.div_ceil(BLOCK_ROWS);
-    let mut packed_a_all = if amx {
-        take_buffer(&PACKED_A_ALL, batch * a_blocks * a_block_len)
+    let mut packed_a_all_buffer = take_buffer(&PACKED_A_ALL);
+    let packed_a_all = packed_a_all_buffer.u32s(if amx {
+        batch * a_blocks * a_block_len
     } else {
-        Vec::new()
-    };
+        0
+    });
     if amx {
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
         run(batch * a_blocks, &|t| {
@@ -227,7 +230,7 @@ pub unsafe fn gemm_bf16(
     let panels_per_group = panels.div_ceil(groups);
     let groups = panels.div_ceil(panels_per_group);
     let cp = TaskPtr(c);
-    let b_packed = &packed_b;
+    let (b_packed, packed_a_all) = (&*packed_b, &*packed_a_all);
     run(batch * row_blocks * groups, &|t| {
         let (bi, rest) = (t / (row_blocks * groups), t % (row_blocks * groups));
         let (block, group) = (rest / groups, rest % groups);
@@ -255,7 +258,8 @@ pub unsafe fn gemm_bf16(
         }
         // A's rows of this task in pairs, in whole tiles (rows past `height` are never stored).
         let tiles = height.div_ceil(MR);
-        let mut packed_a = take_buffer(&PACKED_A, tiles * MR * pairs);
+        let mut packed_a_buffer = take_buffer(&PACKED_A);
+        let packed_a = packed_a_buffer.u32s(tiles * MR * pairs);
         let at = |i: usize, kk: usize| -> f32 {
             if kk < k {
                 // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
@@ -323,12 +327,10 @@ pub unsafe fn gemm_bf16(
                 }
             }
         }
-        keep_buffer(&PACKED_A, packed_a);
+        keep_buffer(&PACKED_A, packed_a_buffer);
     });
-    keep_buffer(&PACKED_B, packed_b);
-    if amx {
-        keep_buffer(&PACKED_A_ALL, packed_a_all);
-    }
+    keep_buffer(&PACKED_B, packed_b_buffer);
+    keep_buffer(&PACKED_A_ALL, packed_a_all_buffer);
 }
 
 /// One task's `height` rows of C (from `c`, row stride `n`) over `panels` of B, on AMX tiles:
@@ -357,61 +359,82 @@ unsafe fn amx_task(
     let panel_len = panel_pairs * NR;
     // SAFETY: `gemm_amx::available()` (the caller's contract).
     let tiles = unsafe { gemm_amx::Tiles::configure() };
-    let mut edge = [0f32; BLOCK_ROWS * BLOCK_COLS];
+    /// A whole block's stores, on cache lines as the tiles' stores want them (`lines.rs`).
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Staged([f32; BLOCK_ROWS * BLOCK_COLS]);
+    // Blocks to round, and blocks past C's edge, are stored into one of two staging blocks in
+    // L1 and copied into C (rounded) only after the next block's tile instructions are issued.
+    // Rounding C in place right after `tilestored` spent two thirds of its samples on its first
+    // load, waiting for the tile stores, and cost the GEMM a third of its time (`gemm_shapes 2
+    // amx` on `peer`'s shapes, with and without the rounding).
+    let mut staged = [Staged([0.0; BLOCK_ROWS * BLOCK_COLS]); 2];
+    let mut next = 0;
+    // (staging block, where in C, live rows, live columns)
+    let mut pending: Option<(usize, *mut f32, usize, usize)> = None;
+    let flush = |pending: Option<(usize, *mut f32, usize, usize)>, staged: &[Staged; 2]| {
+        if let Some((slot, at, rows, cols)) = pending {
+            // SAFETY: the block's live part of C is this task's; the staging block is whole.
+            unsafe {
+                bf16_pack::copy_rows(
+                    staged[slot].0.as_ptr(),
+                    BLOCK_COLS,
+                    at,
+                    n,
+                    (rows, cols),
+                    round_c,
+                )
+            };
+        }
+    };
     for panel in panels {
         let b_panel = b_panels[panel * panel_len..][..panel_len].as_ptr();
         let cols = (n - panel * NR).min(NR);
         for block in 0..blocks {
             let a_block = packed_a[block * block_len..].as_ptr();
             let live_rows = (height - block * BLOCK_ROWS).min(BLOCK_ROWS);
-            // SAFETY: the block's rows and the panel's columns of C are this task's; a block
-            // past C's edge is stored whole into `edge`, then its live part copied.
-            unsafe {
-                let at = c.add(block * BLOCK_ROWS * n + panel * NR);
-                if live_rows == BLOCK_ROWS && cols == BLOCK_COLS {
-                    tiles.block(a_block, b_panel, chunks, at, n);
-                } else {
-                    tiles.block(a_block, b_panel, chunks, edge.as_mut_ptr(), BLOCK_COLS);
-                    for r in 0..live_rows {
-                        std::ptr::copy_nonoverlapping(
-                            edge.as_ptr().add(r * BLOCK_COLS),
-                            at.add(r * n),
-                            cols,
-                        );
-                    }
-                }
-                if round_c {
-                    // While the block is in L1: the pass over C the caller would make.
-                    bf16_pack::round_rows(at, n, live_rows, cols);
-                }
-            }
+            let at = c.wrapping_add(block * BLOCK_ROWS * n + panel * NR);
+            let whole = live_rows == BLOCK_ROWS && cols == BLOCK_COLS;
+            let staged_now = if whole && !round_c {
+                // SAFETY: the block's rows and the panel's columns of C are this task's.
+                unsafe { tiles.block(a_block, b_panel, chunks, at, n) };
+                None
+            } else {
+                let slot = next;
+                next ^= 1;
+                let to = staged[slot].0.as_mut_ptr();
+                // SAFETY: the staging block holds a whole block (32 x 32).
+                unsafe { tiles.block(a_block, b_panel, chunks, to, BLOCK_COLS) };
+                Some((slot, at, live_rows, cols))
+            };
+            flush(pending.take(), &staged);
+            pending = staged_now;
         }
     }
+    flush(pending, &staged);
     drop(tiles);
 }
 
 std::thread_local! {
     /// Each thread's packing buffers, kept between calls: `peer`'s packed operands are hundreds
     /// of KiB to MiB, which a fresh allocation per call (or per task) maps and faults in again.
-    static PACKED_A: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
-    static PACKED_B: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// They start on a cache line, as AMX's tile loads need to run at speed (`lines.rs`).
+    static PACKED_A: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
+    static PACKED_B: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
     /// AMX's A, packed once per call by every thread for the caller (`gemm_amx::pack_a`).
-    static PACKED_A_ALL: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static PACKED_A_ALL: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
 }
 
-/// This thread's buffer `key`, at least `len` long. Its contents are stale: the packing writes
+/// This thread's buffer `key`, taken out of it until `keep_buffer` (so that a GEMM inside a
+/// task of another, attention's, gets its own). Its contents are stale: the packing writes
 /// every lane the kernel's stored results read, and the lanes past an edge (rows past the
 /// task's, columns past `n`) only feed accumulators that are never stored.
-fn take_buffer(key: &'static LocalKey<RefCell<Vec<u32>>>, len: usize) -> Vec<u32> {
-    let mut buffer = key.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    if buffer.len() < len {
-        buffer.resize(len, 0);
-    }
-    buffer
+fn take_buffer(key: &'static LocalKey<RefCell<LineBuffer>>) -> LineBuffer {
+    key.with(|b| std::mem::take(&mut *b.borrow_mut()))
 }
 
 /// Gives `buffer` back to this thread for its next call.
-fn keep_buffer(key: &'static LocalKey<RefCell<Vec<u32>>>, buffer: Vec<u32>) {
+fn keep_buffer(key: &'static LocalKey<RefCell<LineBuffer>>, buffer: LineBuffer) {
     key.with(|b| *b.borrow_mut() = buffer);
 }
 

@@ -21,6 +21,7 @@ pub mod cross_entropy;
 pub mod gemm;
 pub mod gemm_amx;
 pub mod gemm_bf16;
+pub mod lines;
 pub mod pool;
 pub mod replay;
 pub mod rope;
