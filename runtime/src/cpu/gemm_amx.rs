@@ -69,25 +69,11 @@ pub unsafe fn pack_a(a: *const f32, la: Layout, height: usize, k: usize, out: &m
     assert!(out.len() >= height.div_ceil(TILE_ROWS) * chunks * chunk_len);
     let chunk_at = |t: usize, c: usize| (t * chunks + c) * chunk_len;
     if la.row_stride == 1 && la.col_stride != 1 {
-        // Transposed A (a weight gradient's activations): k down the columns.
+        // SAFETY: the caller's contract; `out` holds every chunk (asserted).
         #[cfg(target_arch = "x86_64")]
-        for t in 0..height.div_ceil(TILE_ROWS) {
-            for c in 0..chunks {
-                // SAFETY: the tile's live rows of every column < k are inside A (the caller's
-                // contract); the chunk is 16 rows of 16 lanes inside `out` (asserted).
-                unsafe {
-                    bf16_pack::columns_to_rows(
-                        a.add(t * TILE_ROWS),
-                        la.col_stride,
-                        k,
-                        c * TILE_PAIRS,
-                        (height - t * TILE_ROWS).min(TILE_ROWS),
-                        out.as_mut_ptr().add(chunk_at(t, c)),
-                        TILE_PAIRS,
-                    )
-                };
-            }
-        }
+        unsafe {
+            pack_a_columns(a, la, height, k, 0..chunks, out.as_mut_ptr())
+        };
         return;
     }
     let mut row_pairs = vec![0u32; chunks * TILE_PAIRS];
@@ -108,6 +94,44 @@ pub unsafe fn pack_a(a: *const f32, la: Layout, height: usize, k: usize, out: &m
         let (t, lane) = (r / TILE_ROWS, r % TILE_ROWS);
         for (c, chunk) in row_pairs.chunks(TILE_PAIRS).enumerate() {
             out[chunk_at(t, c) + lane * TILE_PAIRS..][..TILE_PAIRS].copy_from_slice(chunk);
+        }
+    }
+}
+
+/// Packs pair chunks `chunks` of every row tile of a transposed A (`m` rows, k down its
+/// columns: `la.row_stride == 1`, a weight gradient's activations) into `out`, where `pack_a`
+/// puts them for consecutive blocks: chunk (row tile t, chunk c) at `(t * all + c) * 256`, `all`
+/// being `padded_pairs(k) / 16`. Chunk by chunk, every row tile of one, so that A's stored rows
+/// (k) are read in memory order: a block's two row tiles at a time walked a 128-byte strip of
+/// each stored row, which the prefetchers do not follow.
+///
+/// # Safety
+/// `a` must address `m` rows x `k` columns under `la`; `out` every chunk named; AVX-512F.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn pack_a_columns(
+    a: *const f32,
+    la: Layout,
+    m: usize,
+    k: usize,
+    chunks: std::ops::Range<usize>,
+    out: *mut u32,
+) {
+    let all = padded_pairs(k) / TILE_PAIRS;
+    for c in chunks {
+        for t in 0..m.div_ceil(TILE_ROWS) {
+            // SAFETY: the tile's live rows of every column < k are inside A, the chunk's 16 rows
+            // of 16 lanes inside `out` (the caller's contract).
+            unsafe {
+                bf16_pack::columns_to_rows(
+                    a.add(t * TILE_ROWS),
+                    la.col_stride,
+                    k,
+                    c * TILE_PAIRS,
+                    (m - t * TILE_ROWS).min(TILE_ROWS),
+                    out.add((t * all + c) * TILE_ROWS * TILE_PAIRS),
+                    TILE_PAIRS,
+                )
+            };
         }
     }
 }

@@ -34,6 +34,10 @@ const NR: usize = 32;
 /// Rows of C one task computes (a multiple of `MR` and of AMX's 32-row blocks): its packed A,
 /// 96 x k pairs, stays in L2.
 const ROWS_PER_TASK: usize = 96;
+/// Pair rows of a row-major B one packing task packs (across every panel), and pair chunks
+/// (16 pairs) of a transposed A (across every row).
+const PAIRS_PER_PACKING_TASK: usize = 32;
+const CHUNKS_PER_PACKING_TASK: usize = 2;
 
 /// Whether this cpu runs the bf16 kernel.
 pub fn available() -> bool {
@@ -119,74 +123,113 @@ pub unsafe fn gemm_bf16(
         }
     };
     let bp = TaskPtr(b as *mut f32);
-    run(b_batches * panels, &|t| {
-        let (bi, panel) = (t / panels, t % panels);
-        let at = |kk: usize, j: usize| -> f32 {
-            if kk < k && j < n {
-                // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
-                unsafe { *bp.at(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
-            } else {
-                0.0
-            }
-        };
-        let base = (bi * panels + panel) * panel_len;
-        // SAFETY: task t alone writes panel `panel` of batch `bi`, `panel_len` lanes.
-        let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
-        let cols = (n - panel * NR).min(NR);
-        let origin = bi * lb.batch_stride + panel * NR * lb.col_stride;
-        // Read B in its memory order, in runs the compiler vectorizes: along rows (k and
-        // k + 1 side by side), or down columns when B is transposed.
-        if lb.col_stride == 1 {
-            for p in 0..pairs {
-                // SAFETY: rows 2p and 2p + 1 (when < k) hold `cols` elements from `origin`.
-                let r0 = unsafe {
-                    std::slice::from_raw_parts(bp.at(origin + 2 * p * lb.row_stride), cols)
-                };
-                let out = &mut dst[p * NR..p * NR + cols];
-                let r1 = (2 * p + 1 < k).then(|| unsafe {
-                    std::slice::from_raw_parts(bp.at(origin + (2 * p + 1) * lb.row_stride), cols)
-                });
-                side_by_side(r0, r1, out);
-            }
-        } else if lb.row_stride == 1 {
-            // Transposed B: each column's k elements are neighbours; 16 columns x 16 pairs at
-            // a time turn into the panel's rows.
-            #[cfg(target_arch = "x86_64")]
-            for first in (0..pairs).step_by(16) {
-                for lane in (0..cols).step_by(16) {
-                    // SAFETY: columns lane.. (live ones) hold k elements from `origin`; the
-                    // panel holds rows first..first + 16 (when < pairs) of NR lanes.
+    if lb.col_stride == 1 {
+        // Row-major B: a task packs a range of pair rows across every panel, reading B's rows
+        // in memory order. (A task per panel walked a 128-byte strip of each row, rows `2n`
+        // floats apart, which the prefetchers do not follow: its first loads waited on memory.)
+        let groups = pairs.div_ceil(PAIRS_PER_PACKING_TASK);
+        run(b_batches * groups, &|t| {
+            let (bi, group) = (t / groups, t % groups);
+            let first = group * PAIRS_PER_PACKING_TASK;
+            for p in first..(first + PAIRS_PER_PACKING_TASK).min(pairs) {
+                let row = |kk: usize| {
+                    // SAFETY: row kk < k of batch bi's B holds n elements (caller's contract).
                     unsafe {
-                        bf16_pack::rows_to_columns(
-                            bp.at(origin + lane * lb.col_stride),
-                            lb.col_stride,
-                            k,
-                            first,
-                            (cols - lane).min(16),
-                            (pairs - first).min(16),
-                            dst.as_mut_ptr().add(first * NR + lane),
-                            NR,
+                        std::slice::from_raw_parts(
+                            bp.at(bi * lb.batch_stride + kk * lb.row_stride),
+                            n,
+                        )
+                    }
+                };
+                let (r0, r1) = (row(2 * p), (2 * p + 1 < k).then(|| row(2 * p + 1)));
+                for panel in 0..panels {
+                    let (from, cols) = (panel * NR, (n - panel * NR).min(NR));
+                    // SAFETY: task t alone writes pair row p of batch bi's panels.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            pb.at((bi * panels + panel) * panel_len + p * NR),
+                            cols,
                         )
                     };
+                    side_by_side(
+                        &r0[from..from + cols],
+                        r1.map(|r1| &r1[from..from + cols]),
+                        out,
+                    );
                 }
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            for lane in 0..cols {
-                // SAFETY: column `panel * NR + lane` holds k elements from its start.
-                let col =
-                    unsafe { std::slice::from_raw_parts(bp.at(origin + lane * lb.col_stride), k) };
-                neighbours(col, &mut dst[lane..], NR);
+            if group + 1 == groups {
+                for panel in 0..panels {
+                    let base = (bi * panels + panel) * panel_len;
+                    // SAFETY: the padding rows of batch bi's panels are this task's alone.
+                    let padding = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            pb.at(base + pairs * NR),
+                            panel_len - pairs * NR,
+                        )
+                    };
+                    padding.fill(0);
+                }
             }
-        } else {
-            for p in 0..pairs {
+        });
+    } else {
+        run(b_batches * panels, &|t| {
+            let (bi, panel) = (t / panels, t % panels);
+            let at = |kk: usize, j: usize| -> f32 {
+                if kk < k && j < n {
+                    // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
+                    unsafe { *bp.at(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
+                } else {
+                    0.0
+                }
+            };
+            let base = (bi * panels + panel) * panel_len;
+            // SAFETY: task t alone writes panel `panel` of batch `bi`, `panel_len` lanes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
+            let cols = (n - panel * NR).min(NR);
+            let origin = bi * lb.batch_stride + panel * NR * lb.col_stride;
+            // Read B in its memory order: down columns when B is transposed.
+            if lb.row_stride == 1 {
+                // Transposed B: each column's k elements are neighbours; 16 columns x 16 pairs at
+                // a time turn into the panel's rows.
+                #[cfg(target_arch = "x86_64")]
+                for first in (0..pairs).step_by(16) {
+                    for lane in (0..cols).step_by(16) {
+                        // SAFETY: columns lane.. (live ones) hold k elements from `origin`; the
+                        // panel holds rows first..first + 16 (when < pairs) of NR lanes.
+                        unsafe {
+                            bf16_pack::rows_to_columns(
+                                bp.at(origin + lane * lb.col_stride),
+                                lb.col_stride,
+                                k,
+                                first,
+                                (cols - lane).min(16),
+                                (pairs - first).min(16),
+                                dst.as_mut_ptr().add(first * NR + lane),
+                                NR,
+                            )
+                        };
+                    }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
                 for lane in 0..cols {
-                    let j = panel * NR + lane;
-                    dst[p * NR + lane] = pair(at(2 * p, j), at(2 * p + 1, j));
+                    // SAFETY: column `panel * NR + lane` holds k elements from its start.
+                    let col = unsafe {
+                        std::slice::from_raw_parts(bp.at(origin + lane * lb.col_stride), k)
+                    };
+                    neighbours(col, &mut dst[lane..], NR);
+                }
+            } else {
+                for p in 0..pairs {
+                    for lane in 0..cols {
+                        let j = panel * NR + lane;
+                        dst[p * NR + lane] = pair(at(2 * p, j), at(2 * p + 1, j));
+                    }
                 }
             }
-        }
-        dst[pairs * NR..].fill(0);
-    });
+            dst[pairs * NR..].fill(0);
+        });
+    }
     // AMX packs A once, before the tasks, every 32-row block in parallel: its tiles compute
     // so fast that a task packing its rows again per column group (as the register tiles do
     // below) spent as long packing as computing.
@@ -199,7 +242,29 @@ pub unsafe fn gemm_bf16(
     } else {
         0
     });
-    if amx {
+    if amx && la.row_stride == 1 && la.col_stride != 1 {
+        // Transposed A: tasks take ranges of k's chunks over every row (`pack_a_columns`).
+        let pa = TaskPtr(packed_a_all.as_mut_ptr());
+        let chunks = panel_pairs / TILE_PAIRS;
+        let groups = chunks.div_ceil(CHUNKS_PER_PACKING_TASK);
+        run(batch * groups, &|t| {
+            let (bi, group) = (t / groups, t % groups);
+            let first = group * CHUNKS_PER_PACKING_TASK;
+            // SAFETY: task t alone writes these chunks of batch bi's row tiles; A's rows are
+            // inside A (the caller's contract); `available()`.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                gemm_amx::pack_a_columns(
+                    ap.at(bi * la.batch_stride),
+                    la,
+                    m,
+                    k,
+                    first..(first + CHUNKS_PER_PACKING_TASK).min(chunks),
+                    pa.at(bi * a_blocks * a_block_len),
+                )
+            };
+        });
+    } else if amx {
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
         run(batch * a_blocks, &|t| {
             let (bi, block) = (t / a_blocks, t % a_blocks);
@@ -524,6 +589,8 @@ mod tests {
             (2, 100, 65, 7, false, true),
             (3, 1, 1, 1, false, false),
             (1, 97, 32, 300, true, true),
+            // Row-major B over several packing tasks' pair rows, per batch.
+            (2, 40, 70, 141, false, false),
         ] {
             let a: Vec<f32> = (0..batch * m * k).map(value).collect();
             let b: Vec<f32> = (0..(if shared { 1 } else { batch }) * k * n)
