@@ -25,6 +25,7 @@
 //! * Each thread keeps its packing buffer between calls (grown to the largest call it ran), to
 //!   avoid page faults on every call and to keep packed panels in the core that packed them.
 
+use super::lines::LineBuffer;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
@@ -524,6 +525,7 @@ fn split(
     }
 }
 
+/// A cache line of floats, for tiles on the stack.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Align64([f32; 16]);
@@ -534,19 +536,15 @@ struct Align64([f32; 16]);
 /// cross-core transfer per line (1-3% on `peer`'s shapes, measured A/B in one process).
 fn with_packing_buffer<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
     thread_local! {
-        static BUF: RefCell<Vec<Align64>> = const { RefCell::new(Vec::new()) };
+        static BUF: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
     }
-    let grown = |buf: &mut Vec<Align64>| {
-        let chunks = len.div_ceil(16);
-        if buf.len() < chunks {
-            buf.resize(chunks, Align64([0.0; 16]));
-        }
-        buf.as_mut_ptr() as *mut f32
-    };
     BUF.with(|buf| match buf.try_borrow_mut() {
-        Ok(mut buf) => f(grown(&mut buf)),
+        Ok(mut buf) => f(buf.f32s(len).as_mut_ptr()),
         // A GEMM inside a GEMM task on this thread (none does so today) gets its own buffer.
-        Err(_) => f(grown(&mut Vec::new())),
+        Err(_) => {
+            let mut own = LineBuffer::new();
+            f(own.f32s(len).as_mut_ptr())
+        }
     })
 }
 

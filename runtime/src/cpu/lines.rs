@@ -1,4 +1,5 @@
-//! Scratch buffers that start on a cache line, for packed GEMM operands and attention's scores.
+//! Scratch buffers that start on a cache line, for packed GEMM operands (f32 and bf16) and
+//! attention's scores.
 //!
 //! Why: a Vec of u32 or f32 starts where the allocator puts it (16 bytes aligned, in practice),
 //! so every 64-byte row of an AMX tile straddled two cache lines. On the Xeon with AMX,
