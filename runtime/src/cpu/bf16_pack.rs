@@ -16,11 +16,23 @@
 //! back to `pair` one lane at a time; the block transposes are `unsafe` and leave the check
 //! to their callers (the GEMM, which runs only where `gemm_bf16::available()`).
 
-/// The bf16 pair (x0, x1), each rounded to bf16, as one 32-bit lane: x0 in the low half.
+/// The bf16 pair (x0, x1), each rounded to bf16, as one 32-bit lane: x0 in the low half. A NaN
+/// gets its quiet bit set, so that its high half (all a bf16 keeps) is a NaN too: one whose
+/// payload lay in the low half alone would otherwise become an infinity.
 pub fn pair(x0: f32, x1: f32) -> u32 {
-    let bits = |x: f32| graphtrain_ir::host_tensor::round_bf16(x).to_bits();
+    let bits = |x: f32| {
+        let rounded = graphtrain_ir::host_tensor::round_bf16(x).to_bits();
+        if x.is_nan() {
+            rounded | QUIET_BIT
+        } else {
+            rounded
+        }
+    };
     (bits(x0) >> 16) | (bits(x1) & 0xFFFF_0000)
 }
+
+/// The quiet bit of an f32 NaN, inside the high half a bf16 keeps.
+const QUIET_BIT: u32 = 0x0040_0000;
 
 /// `out[i] = pair(x0[i], x1[i])`, with zeros for a missing `x1` (an odd k's last pair): two
 /// rows (or columns) of an operand that hold pairs' first and second elements side by side.
@@ -166,23 +178,29 @@ mod simd {
         }
     }
 
-    /// `round_bf16`'s bits of 16 lanes: nearest, ties to even, NaN kept as it is.
+    /// `round_bf16`'s bits of 16 lanes: nearest, ties to even, NaN kept as it is (with its quiet
+    /// bit set where `QUIET_NAN`, as `pair` sets it).
     #[target_feature(enable = "avx512f")]
-    fn rounded(x: __m512i) -> __m512i {
+    fn rounded<const QUIET_NAN: bool>(x: __m512i) -> __m512i {
         let kept_low = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
         let bias = _mm512_add_epi32(kept_low, _mm512_set1_epi32(0x7FFF));
         let r = _mm512_and_si512(_mm512_add_epi32(x, bias), _mm512_set1_epi32(-65536));
         let magnitude = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
         let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
-        _mm512_mask_blend_epi32(nan, r, x)
+        let nan_bits = if QUIET_NAN {
+            _mm512_or_si512(x, _mm512_set1_epi32(super::QUIET_BIT as i32))
+        } else {
+            x
+        };
+        _mm512_mask_blend_epi32(nan, r, nan_bits)
     }
 
     /// `pair` of each lane of `x0` and `x1`.
     #[target_feature(enable = "avx512f")]
     fn paired(x0: __m512i, x1: __m512i) -> __m512i {
         _mm512_or_si512(
-            _mm512_srli_epi32::<16>(rounded(x0)),
-            _mm512_and_si512(rounded(x1), _mm512_set1_epi32(-65536)),
+            _mm512_srli_epi32::<16>(rounded::<true>(x0)),
+            _mm512_and_si512(rounded::<true>(x1), _mm512_set1_epi32(-65536)),
         )
     }
 
@@ -232,7 +250,7 @@ mod simd {
             // SAFETY: `live` lanes from `done` are inside the caller's buffer.
             unsafe {
                 let v = load(x.add(done), live);
-                _mm512_mask_storeu_epi32(x.add(done) as *mut i32, mask(live), rounded(v));
+                _mm512_mask_storeu_epi32(x.add(done) as *mut i32, mask(live), rounded::<false>(v));
             }
             done += live;
         }
@@ -249,7 +267,7 @@ mod simd {
             // SAFETY: `live` lanes from `done` are inside the caller's buffers.
             unsafe {
                 let v = load(src.add(done), live);
-                let v = if round { rounded(v) } else { v };
+                let v = if round { rounded::<false>(v) } else { v };
                 _mm512_mask_storeu_epi32(dst.add(done) as *mut i32, mask(live), v);
             }
             done += live;
@@ -436,6 +454,17 @@ mod tests {
             0x8000_0000,    // -0
             0xBF7F_7FFF,
         ];
+        for &bits in &special {
+            let x = f32::from_bits(bits);
+            if x.is_nan() {
+                let lanes = pair(x, x);
+                assert!(
+                    f32::from_bits(lanes << 16).is_nan()
+                        && f32::from_bits(lanes & 0xFFFF_0000).is_nan(),
+                    "pair of the NaN {bits:#x} is {lanes:#x}: a half is not a NaN"
+                );
+            }
+        }
         let xs: Vec<f32> = (0..77)
             .map(|i| f32::from_bits(special[i % special.len()] ^ ((i as u32 / 12) << 24)))
             .collect();
