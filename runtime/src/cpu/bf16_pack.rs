@@ -244,20 +244,12 @@ mod simd {
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn round_in_place(x: *mut f32, len: usize) {
-        let mut done = 0;
-        while done < len {
-            let live = (len - done).min(16);
-            // SAFETY: `live` lanes from `done` are inside the caller's buffer.
-            unsafe {
-                let v = load(x.add(done), live);
-                _mm512_mask_storeu_epi32(x.add(done) as *mut i32, mask(live), rounded::<false>(v));
-            }
-            done += live;
-        }
+        // SAFETY: the caller's contract; `copy` reads each 16 lanes before it writes them.
+        unsafe { copy(x, x, len, true) }
     }
 
     /// # Safety
-    /// `len` elements readable at `src` and writable at `dst`.
+    /// `len` elements readable at `src` and writable at `dst` (the same place, or apart).
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn copy(src: *const f32, dst: *mut f32, len: usize, round: bool) {
