@@ -1,9 +1,11 @@
 //! GFLOP/s of the native GEMM on the shapes `peer`'s train step runs (from its profile), called
 //! directly on host buffers, on one thread and on the pool's full width.
-//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS] [KERNEL] [sums]`,
-//! KERNEL `f32` (the default), `vdpbf16ps` or `amx` (the bf16 GEMM's tiles, where the cpu has
-//! them), which round C to bf16 as a bf16 matmul does, or with `sums` leave its f32 sums (what
-//! the rounding costs).
+//! `cargo run --release -p graphtrain-runtime --example gemm_shapes [THREADS] [KERNEL] [sums]
+//! [cold]`, KERNEL `f32` (the default), `vdpbf16ps` or `amx` (the bf16 GEMM's tiles, where the
+//! cpu has them), which round C to bf16 as a bf16 matmul does, or with `sums` leave its f32 sums
+//! (what the rounding costs). With `cold`, 256 MiB are written between calls and only the calls
+//! are timed, so the operands come from memory as they do inside a train step, whose arena
+//! cycles through more than the caches hold (docs/benchmarks.md).
 //!
 //! This machine's speed drifts by up to 1.5x within seconds (a shared host: a register-only FMA
 //! loop measured 92-153 GFLOP/s per core within a minute), so compare two builds by alternating
@@ -19,6 +21,8 @@ use std::time::Instant;
 const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
     ("x @ w      2048x256x256", 2048, 256, 256, false, false),
     ("x @ w1     2048x768x256", 2048, 768, 256, false, false),
+    ("x @ w1T    2048x768x256", 2048, 768, 256, false, true),
+    ("x @ w1T    2048x768x256", 2048, 768, 256, false, true),
     ("h @ w2     2048x256x768", 2048, 256, 768, false, false),
     ("dy @ wT    2048x256x256", 2048, 256, 256, false, true),
     ("xT @ dy    256x256x2048", 256, 256, 2048, true, false),
@@ -49,11 +53,16 @@ fn main() {
         Some("amx") => Some(Bf16Tiles::Amx),
         Some(other) => panic!("KERNEL is f32, vdpbf16ps or amx, not {other}"),
     };
-    let round_c = match std::env::args().nth(3).as_deref() {
-        None => true,
-        Some("sums") => false,
-        Some(other) => panic!("the third argument is `sums` or nothing, not {other}"),
-    };
+    let (mut round_c, mut cold) = (true, false);
+    for flag in std::env::args().skip(3) {
+        match flag.as_str() {
+            "sums" => round_c = false,
+            "cold" => cold = true,
+            other => panic!("the arguments after KERNEL are `sums` and `cold`, not {other}"),
+        }
+    }
+    // Written between calls in `cold` runs: more than the caches this example has met hold.
+    let mut evict = vec![0u8; if cold { 256 << 20 } else { 0 }];
     match tiles {
         Some(Bf16Tiles::Amx) => assert!(gemm_amx::available(), "this cpu runs no AMX tiles"),
         Some(Bf16Tiles::Vdpbf16ps) => assert!(gemm_bf16::available(), "no AVX512_BF16 here"),
@@ -85,14 +94,20 @@ fn main() {
             for _ in 0..3 {
                 run(&mut c);
             }
-            let reps = ((1e9 * t as f64 / flops) as usize).clamp(3, 400);
+            let reps = ((1e9 * t as f64 / flops) as usize).clamp(3, if cold { 40 } else { 400 });
             let mut best = f64::MAX;
             for _ in 0..3 {
-                let t0 = Instant::now();
+                let mut elapsed = 0.0;
                 for _ in 0..reps {
+                    if cold {
+                        evict.iter_mut().for_each(|x| *x = x.wrapping_add(1));
+                        std::hint::black_box(&evict);
+                    }
+                    let t0 = Instant::now();
                     run(&mut c);
+                    elapsed += t0.elapsed().as_secs_f64();
                 }
-                best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+                best = best.min(elapsed / reps as f64);
             }
             line += &format!("  {t} thr {:6.1} GFLOP/s", flops / best / 1e9);
         }
