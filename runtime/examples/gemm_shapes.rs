@@ -22,7 +22,6 @@ const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
     ("x @ w      2048x256x256", 2048, 256, 256, false, false),
     ("x @ w1     2048x768x256", 2048, 768, 256, false, false),
     ("x @ w1T    2048x768x256", 2048, 768, 256, false, true),
-    ("x @ w1T    2048x768x256", 2048, 768, 256, false, true),
     ("h @ w2     2048x256x768", 2048, 256, 768, false, false),
     ("dy @ wT    2048x256x256", 2048, 256, 256, false, true),
     ("xT @ dy    256x256x2048", 256, 256, 2048, true, false),
