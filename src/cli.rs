@@ -799,14 +799,17 @@ impl LoweringMode {
 }
 
 /// The runtime settings the environment gives: `GRAPHTRAIN_PROFILE` (`1`: time every step by
-/// kind; `steps`: each step on its own line), `GRAPHTRAIN_GEMM_KERNEL` (`avx512`, `avx2` or
-/// `scalar`: a narrower GEMM kernel, for benchmarking it), `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a
-/// run may allocate, instead of what the OS reports available) and
-/// `GRAPHTRAIN_DEVICE_BUFFER_MIB` (the most one wgpu or cuda buffer may hold, below the
-/// device's limit: a larger arena is split across buffers). The CLI is the only place that
-/// reads them; the library is given them.
+/// kind; `steps`: each step on its own line; `0`: off), `GRAPHTRAIN_GEMM_KERNEL` (`avx512`,
+/// `avx2` or `scalar`: a narrower GEMM kernel, for benchmarking it; `widest`),
+/// `GRAPHTRAIN_MEMORY_LIMIT_MIB` (host memory a run may allocate, instead of what the OS reports
+/// available), `GRAPHTRAIN_DEVICE_BUFFER_MIB` (the most one wgpu or cuda buffer may hold, below
+/// the device's limit: a larger arena is split across buffers), `GRAPHTRAIN_COLLECTIVE_TIMEOUT_S`
+/// and `GRAPHTRAIN_FLIGHT_DIR`. A value a variable does not take is an error naming it; an empty
+/// one is the variable unset. The CLI is the only place that reads them; the library is given
+/// them.
 fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
-    let var = |name: &str| std::env::var(name).ok();
+    // Set to nothing is the same as unset.
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     // `least`: the smallest number of MiB the setting takes.
     let mib = |name: &str, least: usize| -> Result<Option<usize>, String> {
         match var(name) {
@@ -824,10 +827,41 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         }
     };
     let memory_limit_bytes = mib("GRAPHTRAIN_MEMORY_LIMIT_MIB", 0)?;
+    let profile = var("GRAPHTRAIN_PROFILE")
+        .map(|v| {
+            Profile::from_setting(v.trim())
+                .ok_or_else(|| format!("GRAPHTRAIN_PROFILE=`{v}`: takes 1, steps or 0"))
+        })
+        .transpose()?
+        .unwrap_or(Profile::Off);
+    let gemm_kernel = var("GRAPHTRAIN_GEMM_KERNEL")
+        .map(|v| {
+            GemmKernel::from_setting(v.trim()).ok_or_else(|| {
+                format!(
+                    "GRAPHTRAIN_GEMM_KERNEL=`{v}`: takes {}",
+                    GemmKernel::SETTINGS
+                )
+            })
+        })
+        .transpose()?
+        .unwrap_or(GemmKernel::Widest);
+    let collective_timeout = var("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S")
+        .map(|v| {
+            v.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(std::time::Duration::from_secs_f64)
+                .ok_or_else(|| {
+                    format!(
+                        "GRAPHTRAIN_COLLECTIVE_TIMEOUT_S=`{v}` is not a positive number of seconds"
+                    )
+                })
+        })
+        .transpose()?;
     Ok(RuntimeOptions {
-        profile: var("GRAPHTRAIN_PROFILE").map_or(Profile::Off, |v| Profile::from_setting(&v)),
-        gemm_kernel: var("GRAPHTRAIN_GEMM_KERNEL")
-            .map_or(GemmKernel::Widest, |v| GemmKernel::from_setting(&v)),
+        profile,
+        gemm_kernel,
         memory_limit_bytes,
         timeline: false,
         device_matmul: Default::default(),
@@ -843,10 +877,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         ]
         .iter()
         .find_map(|name| var(name).and_then(|v| v.parse().ok())),
-        collective_timeout: var("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S")
-            .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| *s > 0.0)
-            .map(std::time::Duration::from_secs_f64),
+        collective_timeout,
         flight_dir: var("GRAPHTRAIN_FLIGHT_DIR").map(std::path::PathBuf::from),
     })
 }

@@ -56,17 +56,9 @@ impl Tuning {
                 "fusion.max_expr_nodes" => t.fusion.max_expr_nodes = count()?,
                 "fusion.converge_hops" => t.fusion.converge_hops = count()?,
                 "gemm" => {
-                    t.gemm = Some(match value {
-                        "widest" => GemmKernel::Widest,
-                        "avx512" => GemmKernel::Avx512,
-                        "avx2" => GemmKernel::Avx2,
-                        "scalar" => GemmKernel::Portable,
-                        _ => {
-                            return Err(format!(
-                                "`{entry}`: `gemm` takes widest, avx512, avx2 or scalar"
-                            ))
-                        }
-                    })
+                    t.gemm = Some(GemmKernel::from_setting(value).ok_or_else(|| {
+                        format!("`{entry}`: `gemm` takes {}", GemmKernel::SETTINGS)
+                    })?)
                 }
                 "device_matmul" => {
                     t.device_matmul = Some(match value {

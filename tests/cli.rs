@@ -114,6 +114,50 @@ fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
     assert_clean_error(&o, &["the program does not fit", "2^32 elements"]);
 }
 
+/// A runtime variable set to a value it does not take stops the run with an error naming the
+/// variable and what it takes: before, an unknown GEMM kernel ran the widest, any word in
+/// `GRAPHTRAIN_PROFILE` (`0` too) turned profiling on and a malformed timeout was dropped.
+#[test]
+fn a_runtime_variable_with_a_wrong_value_is_refused_by_name() {
+    for (name, value, says) in [
+        (
+            "GRAPHTRAIN_GEMM_KERNEL",
+            "avx9",
+            "widest, avx512, avx2 or scalar",
+        ),
+        ("GRAPHTRAIN_PROFILE", "yes", "takes 1, steps or 0"),
+        (
+            "GRAPHTRAIN_COLLECTIVE_TIMEOUT_S",
+            "soon",
+            "not a positive number of seconds",
+        ),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+            .args(["run", "--config", "tiny", "--steps", "1"])
+            .env(name, value)
+            .output()
+            .expect("the binary runs");
+        assert_clean_error(&o, &[name, value, says]);
+    }
+    // The values they take still run, and `0` turns the profile off where `1` turns it on.
+    for (profile, profiled) in [("0", false), ("1", true)] {
+        let o = Command::new(env!("CARGO_BIN_EXE_graphtrain"))
+            .args(["bench", "--config", "tiny", "--steps", "2", "--warmup", "1"])
+            .env("GRAPHTRAIN_GEMM_KERNEL", "scalar")
+            .env("GRAPHTRAIN_PROFILE", profile)
+            .env("GRAPHTRAIN_COLLECTIVE_TIMEOUT_S", "2.5")
+            .output()
+            .expect("the binary runs");
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(
+            stdout(&o).contains("profile over"),
+            profiled,
+            "GRAPHTRAIN_PROFILE={profile}:\n{}",
+            stdout(&o)
+        );
+    }
+}
+
 #[test]
 fn unknown_config_lists_the_known_ones() {
     let o = graphtrain(&["run", "--config", "nope"]);

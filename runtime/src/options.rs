@@ -20,11 +20,14 @@ pub enum Profile {
 impl Profile {
     /// `1` (or any other value) times by kind, `steps` each step: the values of the CLI's
     /// `GRAPHTRAIN_PROFILE`.
-    pub fn from_setting(value: &str) -> Profile {
-        if value == "steps" {
-            Profile::EachStep
-        } else {
-            Profile::ByKind
+    /// The profile `GRAPHTRAIN_PROFILE` names: `1` by kind, `steps` one by one, `0` off;
+    /// `None` for any other word.
+    pub fn from_setting(value: &str) -> Option<Profile> {
+        match value {
+            "1" => Some(Profile::ByKind),
+            "steps" => Some(Profile::EachStep),
+            "0" => Some(Profile::Off),
+            _ => None,
         }
     }
 }

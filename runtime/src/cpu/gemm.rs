@@ -147,14 +147,20 @@ pub enum GemmKernel {
 impl GemmKernel {
     /// `avx512`, `avx2` and `scalar` (the values of the CLI's `GRAPHTRAIN_GEMM_KERNEL`);
     /// anything else is the widest.
-    pub fn from_setting(value: &str) -> GemmKernel {
+    /// The kernel a setting names (`widest`, `avx512`, `avx2` or `scalar`; the CLI's
+    /// `--tuning gemm=` and `GRAPHTRAIN_GEMM_KERNEL`), `None` for any other word.
+    pub fn from_setting(value: &str) -> Option<GemmKernel> {
         match value {
-            "avx512" => GemmKernel::Avx512,
-            "avx2" => GemmKernel::Avx2,
-            "scalar" => GemmKernel::Portable,
-            _ => GemmKernel::Widest,
+            "widest" => Some(GemmKernel::Widest),
+            "avx512" => Some(GemmKernel::Avx512),
+            "avx2" => Some(GemmKernel::Avx2),
+            "scalar" => Some(GemmKernel::Portable),
+            _ => None,
         }
     }
+
+    /// The words `from_setting` takes, for error messages.
+    pub const SETTINGS: &'static str = "widest, avx512, avx2 or scalar";
 
     fn path(self) -> Path {
         let widest = widest_path();
