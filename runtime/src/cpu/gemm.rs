@@ -145,8 +145,6 @@ pub enum GemmKernel {
 }
 
 impl GemmKernel {
-    /// `avx512`, `avx2` and `scalar` (the values of the CLI's `GRAPHTRAIN_GEMM_KERNEL`);
-    /// anything else is the widest.
     /// The kernel a setting names (`widest`, `avx512`, `avx2` or `scalar`; the CLI's
     /// `--tuning gemm=` and `GRAPHTRAIN_GEMM_KERNEL`), `None` for any other word.
     pub fn from_setting(value: &str) -> Option<GemmKernel> {
@@ -1045,6 +1043,37 @@ unsafe fn task_scalar(ctx: &Ctx, t: usize, buf: *mut f32, packed: &mut usize) {
     unsafe { run_task::<Scalar>(ctx, t, buf, packed) }
 }
 
+/// Runs a register tile's `n` k steps in k order (so the same FMA chains), four to an
+/// iteration of the loop: `step(a, b)` with `a` and `b` advanced by their strides each step.
+/// One step per iteration left the loop's address and counter updates a measurable share of
+/// the tiles' rate (Zen 3's AVX2 tile, the Xeon's AVX-512 tiles; docs/benchmarks.md).
+///
+/// # Safety
+/// `step` is given `a + s * a_stride` and `b + s * b_stride` for every `s < n`: both must stay
+/// inside their allocations.
+#[inline(always)]
+pub(super) unsafe fn k_steps_in_fours<T>(
+    n: usize,
+    (mut a, a_stride): (*const T, usize),
+    (mut b, b_stride): (*const T, usize),
+    mut step: impl FnMut(*const T, *const T),
+) {
+    unsafe {
+        for _ in 0..n / 4 {
+            for u in 0..4 {
+                step(a.add(u * a_stride), b.add(u * b_stride));
+            }
+            a = a.add(4 * a_stride);
+            b = b.add(4 * b_stride);
+        }
+        for _ in 0..n % 4 {
+            step(a, b);
+            a = a.add(a_stride);
+            b = b.add(b_stride);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{a_strides, run_task, Ctx, Kernel};
@@ -1115,23 +1144,10 @@ mod x86 {
                     r[1] = _mm256_fmadd_ps(ai, b1, r[1]);
                 }
             };
-            let mut a = a;
-            let mut b = b;
-            // Four k steps per iteration, in k order (so the same chains): with one, the
-            // loop's address and counter updates cost 12-15% of this kernel's rate on Zen 3
-            // (a throwaway bench of both loops over `peer`'s 2048x256x256, alternated).
-            for _ in 0..kc / 4 {
-                for u in 0..4 {
-                    step(&mut acc, a.add(u * aks), b.add(u * 16));
-                }
-                a = a.add(4 * aks);
-                b = b.add(64);
-            }
-            for _ in 0..kc % 4 {
-                step(&mut acc, a, b);
-                a = a.add(aks);
-                b = b.add(16);
-            }
+            // With one k step per iteration, the loop's address and counter updates cost 12-15%
+            // of this kernel's rate on Zen 3 (a throwaway bench of both loops over `peer`'s
+            // 2048x256x256, alternated).
+            super::k_steps_in_fours(kc, (a, aks), (b, 16), |a, b| step(&mut acc, a, b));
             for (i, r) in acc.iter().enumerate() {
                 _mm256_storeu_ps(c.add(i * ldc), r[0]);
                 _mm256_storeu_ps(c.add(i * ldc + 8), r[1]);
@@ -1275,24 +1291,10 @@ mod x86 {
                     r[1] = _mm512_fmadd_ps(ai, b1, r[1]);
                 }
             };
-            let mut a = a;
-            let mut b = b;
-            // Four k steps per iteration, in k order (the same chains), as in `tile_6x16`: on
-            // the AVX-512 Xeon every `peer` shape ran 2-7% faster than with one (`gemm_shapes
-            // 2`, six alternated runs); on Zen 4, which splits each 512-bit op in two, it made
-            // no difference.
-            for _ in 0..kc / 4 {
-                for u in 0..4 {
-                    step(&mut acc, a.add(u * aks), b.add(u * 32));
-                }
-                a = a.add(4 * aks);
-                b = b.add(128);
-            }
-            for _ in 0..kc % 4 {
-                step(&mut acc, a, b);
-                a = a.add(aks);
-                b = b.add(32);
-            }
+            // Four k steps per iteration: on the AVX-512 Xeon every `peer` shape ran 2-7% faster
+            // than with one (`gemm_shapes 2`, six alternated runs); on Zen 4, which splits each
+            // 512-bit op in two, it made no difference.
+            super::k_steps_in_fours(kc, (a, aks), (b, 32), |a, b| step(&mut acc, a, b));
             for (i, r) in acc.iter().enumerate() {
                 _mm512_storeu_ps(c.add(i * ldc), r[0]);
                 _mm512_storeu_ps(c.add(i * ldc + 16), r[1]);

@@ -515,46 +515,34 @@ unsafe fn tile_12x32(
     rows: usize,
     cols: usize,
 ) {
+    use super::gemm::k_steps_in_fours;
     use std::arch::x86_64::*;
     assert!(a.len() >= pairs * MR && b.len() >= pairs * NR);
-    let (a, b) = (a.as_ptr(), b.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    // One pair: every accumulator takes one more `vdpbf16ps`.
-    let step = |acc: &mut [[__m512; 2]; MR], p: usize| {
-        // SAFETY: p < pairs, and `b` holds `pairs` x 32 lanes, `a` `pairs` x 12 (asserted).
+    // One pair: every accumulator takes one more `vdpbf16ps`. Read through pointers, not the
+    // slices: their indexing put a bounds check on each of the 12 broadcasts of a pair.
+    let step = |a: *const u32, b: *const u32| {
+        // SAFETY: a pair's 32 lanes of `b` and 12 of `a` (`k_steps_in_fours`, asserted above).
         let (b0, b1) = unsafe {
             (
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                    b.add(p * NR) as *const _
-                )),
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                    b.add(p * NR + 16) as *const _
-                )),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b as *const _)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(16) as *const _)),
             )
         };
         for (r, row) in acc.iter_mut().enumerate() {
             // SAFETY: as above.
             let av = unsafe {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                    *a.add(p * MR + r) as i32
-                ))
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(r) as i32))
             };
             row[0] = _mm512_dpbf16_ps(row[0], av, b0);
             row[1] = _mm512_dpbf16_ps(row[1], av, b1);
         }
     };
-    // Four pairs per iteration, in order (the same chains), as the f32 kernels do, and no
-    // bounds check per broadcast (the slice indexing had one for each of the 12): 1.00-1.02x
-    // per shape on the AMX Xeon, whose `vdpbf16ps` rate is the limit (docs/benchmarks.md);
-    // not measured on Zen 4, where this kernel is the bf16 path.
-    for q in 0..pairs / 4 {
-        for u in 0..4 {
-            step(&mut acc, 4 * q + u);
-        }
-    }
-    for p in pairs / 4 * 4..pairs {
-        step(&mut acc, p);
-    }
+    // Four pairs per iteration, in order (the same chains), as the f32 tiles run their k
+    // steps: 1.00-1.02x per shape on the AMX Xeon, whose `vdpbf16ps` rate is the limit
+    // (docs/benchmarks.md); not measured on Zen 4, where this tile is the bf16 path.
+    // SAFETY: `pairs` steps of MR lanes of `a` and NR of `b` lie inside them (asserted).
+    unsafe { k_steps_in_fours(pairs, (a.as_ptr(), MR), (b.as_ptr(), NR), step) };
     let mask = |from: usize| -> __mmask16 {
         let live = cols.saturating_sub(from).min(16);
         if live == 16 {
