@@ -102,25 +102,16 @@ pub fn round_in_place(x: &mut [f32]) {
 /// # Safety
 /// Those elements readable and writable.
 pub unsafe fn round_rows(x: *mut f32, stride: usize, rows: usize, cols: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        for r in 0..rows {
-            // SAFETY: row r's `cols` elements (the caller's contract); AVX-512F is present.
-            unsafe { simd::round_in_place(x.add(r * stride), cols) };
-        }
-        return;
-    }
-    for r in 0..rows {
-        // SAFETY: row r's `cols` elements (the caller's contract).
-        round_in_place(unsafe { std::slice::from_raw_parts_mut(x.add(r * stride), cols) });
-    }
+    // SAFETY: the caller's contract; a copy onto itself (`copy_rows` allows it).
+    unsafe { copy_rows(x, stride, x, stride, (rows, cols), true) }
 }
 
 /// Row r of `dst` (`cols` elements, `dst_stride` apart) = row r of `src` (`src_stride` apart),
 /// rounded to bf16 where `round` (a stored tile of C on its way from L1 scratch to C).
 ///
 /// # Safety
-/// Those elements readable at `src`, writable at `dst`; the two do not overlap.
+/// Those elements readable at `src`, writable at `dst`; the two are the same place (rounding
+/// in place: each 16 lanes are read before they are written) or do not overlap.
 pub unsafe fn copy_rows(
     src: *const f32,
     src_stride: usize,
