@@ -1293,6 +1293,101 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
     }
 }
 
+/// bf16 values stored in 2 bytes an element on cpu (`Program::store_bf16_in_two_bytes`): GEMMs
+/// and maps write halves, maps, a fused row sum and cross-entropy (as logits) widen them as
+/// they read, and GEMMs pack them as operands (row-major and transposed A, row-major B). With
+/// every GEMM kernel, eager,
+/// fused and replayed, the results are bit for bit those of the same Program with every value
+/// in a 4-byte slot, and within a bf16 step of the interpreter.
+#[test]
+fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
+    let src = "graph g {
+  input %a: f32[2,24,40]
+  input %b: f32[40,48]
+  input %c: f32[2,24,48]
+  input %d: f32[48,16]
+  input %e: f32[2,8,24]
+  input %h: f32[40,48]
+  input %t: i32[48]
+  input %g: f32[]
+  %3: bf16[2,24,40] = cast(%a, dtype=bf16)
+  %4: bf16[40,48] = cast(%b, dtype=bf16)
+  %5: bf16[2,24,48] = matmul(%3, %4)
+  %6: f32[2,24,48] = cast(%5, dtype=f32)
+  %7: f32[2,24,48] = mul(%6, %c)
+  %11: f32[2,24,48] = mul(%6, %6)
+  %8: f32[2,24] = reduce_sum(%11, axes=[2], keepdim=false)
+  %9: bf16[2,24,48] = mul(%5, %5)
+  %10: f32[2,24,48] = cast(%9, dtype=f32)
+  %12: bf16[48,16] = cast(%d, dtype=bf16)
+  %13: bf16[2,24,16] = matmul(%9, %12)
+  %14: bf16[2,48,24] = transpose(%9, perm=[0,2,1])
+  %15: bf16[2,48,16] = matmul(%14, %13)
+  %16: bf16[2,8,24] = cast(%e, dtype=bf16)
+  %17: bf16[2,8,48] = matmul(%16, %9)
+  %18: f32[2,48,16] = cast(%15, dtype=f32)
+  %19: f32[2,8,48] = cast(%17, dtype=f32)
+  %25: bf16[40,48] = cast(%h, dtype=bf16)
+  %20: bf16[2,24,48] = matmul(%3, %25)
+  %21: f32[2,24,48] = cast(%20, dtype=f32)
+  %24: f32[48,48] = reshape(%21, shape=[48,48])
+  %22: f32[] = cross_entropy(%24, %t)
+  %23: f32[48,48] = cross_entropy_backward(%24, %t, %g)
+  output y = %7
+  output s = %8
+  output q = %10
+  output r = %18
+  output t = %19
+  output ce = %22
+  output dce = %23
+}";
+    let g = text::parse(src).unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let names = output_names(&g);
+    let pipeline = graphtrain_passes::Pipeline::new(Vec::new());
+    for seed in 0..2 {
+        let inputs = random_inputs(&g, seed);
+        let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+        for gemm in [GemmKernel::Widest, GemmKernel::Avx512, GemmKernel::Avx2] {
+            for (graph, mode) in [
+                (g.clone(), Mode::Eager),
+                (g.clone(), Mode::Fused),
+                (captured(&g), Mode::Fused),
+            ] {
+                let options = graphtrain_runtime::CompileOptions {
+                    runtime: RuntimeOptions {
+                        gemm_kernel: gemm,
+                        ..RuntimeOptions::default()
+                    },
+                    ..graphtrain_runtime::CompileOptions::new(&pipeline, mode)
+                };
+                let compile = || graphtrain_runtime::compile(&graph, Backend::Cpu, &options);
+                let halves = compile().unwrap();
+                let program = halves.program.as_ref().unwrap();
+                let chosen = (0..program.graph.values.len())
+                    .filter(|&v| program.is_two_byte(graphtrain_ir::ValueId(v as u32)))
+                    .count();
+                assert!(
+                    chosen > 0,
+                    "{mode:?}: no value stored in 2 bytes:\n{program}"
+                );
+                // The same Program with every value in a 4-byte slot.
+                let mut slots = compile().unwrap();
+                let p = slots.program.as_mut().unwrap();
+                p.bf16_in_two_bytes.clear();
+                p.plan_in_windows(1 << 40).unwrap();
+                let what = format!("bf16 in 2 bytes, {mode:?} {gemm:?} (seed {seed})");
+                let got = graphtrain_runtime::run_compiled(halves, &inputs)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let in_slots = graphtrain_runtime::run_compiled(slots, &inputs)
+                    .unwrap_or_else(|e| panic!("{what}, 4-byte slots: {e}"));
+                assert_outputs(&what, &names, &got, &in_slots, Agree::Bitwise);
+                assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 64.0));
+            }
+        }
+    }
+}
+
 /// bf16 attention and its gradient (bf16-mixed's, `Step::Attention`): products read bf16
 /// operands, probabilities and score gradients, and sum in f32 (the interpreter: in f64), so
 /// every backend agrees with the interpreter within 2^-6 of the element or of the tensor's rms

@@ -138,6 +138,18 @@ pub fn plan_slots_in_windows(
     )
 }
 
+/// As `plan_slots_in_windows`, with each value's bytes given by `size_of` (a Program whose
+/// values are not all 4 bytes an element: `Program::value_bytes`).
+pub fn plan_sized(
+    g: &Graph,
+    slots: &[(Vec<ValueId>, Vec<ValueId>)],
+    size_of: &dyn Fn(ValueId) -> usize,
+    alignment: usize,
+    window: Option<usize>,
+) -> Result<BufferPlan, String> {
+    plan(g, slots, size_of, alignment, window)
+}
+
 fn plan(
     g: &Graph,
     slots: &[(Vec<ValueId>, Vec<ValueId>)],

@@ -112,6 +112,7 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         constants,
         step_regions,
         host_values,
+        bf16_in_two_bytes: Vec::new(),
     })
 }
 

@@ -5,7 +5,8 @@
 //! What every Program guarantees a backend, whichever `Mode` built it:
 //! - every value a step names has a buffer in the arena (`plan`), `ELEM_BYTES` per element
 //!   (f32 storage: integers and booleans as the f32 of their exact value, never beyond
-//!   `MAX_EXACT_INT`), at an offset aligned to `ARENA_ALIGN`;
+//!   `MAX_EXACT_INT`), at an offset aligned to `ARENA_ALIGN`; except the bf16 values marked
+//!   `is_two_byte` (`storage.rs`), 2 bytes an element, whose producer and readers take halves;
 //! - a step writes contiguous buffers, except through a `View` it names as its output (`Copy`'s
 //!   `dst`, attention's outputs);
 //! - a `Map` or `MapReduce` reads at most `MAX_MAP_INPUTS` values; a broadcast `Access` period
@@ -18,7 +19,7 @@
 //! this file held all of the lowering (`program::collapse`, `program::lower`, ...): other crates
 //! use them.
 
-use crate::buffer_plan::{plan_slots_in_windows, BufferPlan};
+use crate::buffer_plan::{plan_sized, BufferPlan};
 use graphtrain_ir::{
     BinaryOp, Collective, CompareOp, Graph, HostTensor, Op, RopeLayout, UnaryOp, ValueId,
 };
@@ -515,8 +516,9 @@ impl Step {
     }
 }
 
-/// The storage every backend uses today: 4 bytes per element, f32 for floats, and integers and
-/// booleans as the f32 holding their exact value, so one set of f32 kernels serves every op.
+/// The storage every backend uses: 4 bytes per element, f32 for floats, and integers and
+/// booleans as the f32 holding their exact value, so one set of f32 kernels serves every op
+/// (bf16 values stored in 2 bytes, `Program::is_two_byte`, are the one exception).
 /// Integers beyond 2^24 cannot be held exactly and are refused where they can be seen (inputs,
 /// iota sizes).
 pub const ELEM_BYTES: usize = 4;
@@ -554,6 +556,9 @@ pub struct Program {
     /// Values held in host memory instead of the arena: the results of `Offload` steps, read
     /// back by `Reload` steps. The plan gives them no buffer.
     pub host_values: Vec<ValueId>,
+    /// Per value (by index; empty: none), whether it is stored as bf16 in 2 bytes per element
+    /// instead of in a 4-byte slot (`Program::store_bf16_in_two_bytes`, `storage.rs`).
+    pub bf16_in_two_bytes: Vec<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -620,12 +625,17 @@ impl Program {
             &self.host_values,
             self.graph.values.len(),
         );
-        self.plan =
-            plan_slots_in_windows(&self.graph, &slots, ELEM_BYTES, ARENA_ALIGN, Some(window))?;
+        self.plan = plan_sized(
+            &self.graph,
+            &slots,
+            &|v| self.value_bytes(v),
+            ARENA_ALIGN,
+            Some(window),
+        )?;
         Ok(())
     }
 
-    /// Elements in the arena (4 bytes each).
+    /// 4-byte slots in the arena.
     pub fn arena_elems(&self) -> usize {
         self.plan.arena_bytes / ELEM_BYTES
     }
@@ -638,7 +648,8 @@ impl Program {
             .sum()
     }
 
-    /// Element offset of a materialized value.
+    /// Offset of a materialized value in 4-byte slots (for a value stored in 2 bytes,
+    /// `is_two_byte`, the slot holding its elements 0 and 1).
     pub fn elem_offset(&self, v: ValueId) -> usize {
         self.plan
             .offset_of(v)

@@ -156,9 +156,20 @@ impl<'a> Printer<'a> {
         }
     }
 
-    /// A value a step writes: its name, type and offset.
+    /// A value a step writes: its name, type and offset, and `(2 bytes)` where it is stored as
+    /// bf16 in 2 bytes an element.
     fn out(&self, v: ValueId) -> String {
-        format!("{}: {}@{}", self.name(v), self.p.graph.ty(v), self.place(v))
+        let two = if self.p.is_two_byte(v) {
+            " (2 bytes)"
+        } else {
+            ""
+        };
+        format!(
+            "{}: {}@{}{two}",
+            self.name(v),
+            self.p.graph.ty(v),
+            self.place(v)
+        )
     }
 
     /// The view's geometry, unless it is the whole value as it is stored.

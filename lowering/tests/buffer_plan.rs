@@ -3,6 +3,7 @@
 //! planned in windows (a device whose buffers hold less than the arena), no buffer crosses a
 //! window's edge.
 
+use graphtrain_ir::autocast::{autocast, Precision};
 use graphtrain_ir::optim::{build_train_step, OptimConfig};
 use graphtrain_ir::{DType, Graph};
 use graphtrain_lowering::program::kept_composite;
@@ -10,14 +11,16 @@ use graphtrain_lowering::{lower, plan_buffers, BufferPlan, Mode};
 use graphtrain_models::Llama3Config;
 
 fn step(name: &str) -> Graph {
+    step_in(name, Precision::F32)
+}
+
+fn step_in(name: &str, precision: Precision) -> Graph {
     let cfg = Llama3Config::builtin(name).unwrap();
-    build_train_step(
-        cfg.trace(DType::F32).unwrap(),
-        "loss",
-        &OptimConfig::default(),
-    )
-    .unwrap()
-    .graph
+    let mut forward = cfg.trace(DType::F32).unwrap();
+    forward.graph = autocast(&forward.graph, precision).unwrap();
+    build_train_step(forward, "loss", &OptimConfig::default())
+        .unwrap()
+        .graph
 }
 
 fn check(g: &Graph, alignment: usize) -> BufferPlan {
@@ -110,4 +113,37 @@ fn peer_plans_in_windows_of_a_device_buffer() {
         refused.contains("is larger than one buffer of 1.00 MiB"),
         "{refused}"
     );
+}
+
+/// `peer`'s bf16-mixed step with its bf16 products stored in 2 bytes (the cpu backend's
+/// Program): sound, each buffer as large as its values' bytes (2 an element for the values
+/// stored so), and the arena smaller than with every value in a 4-byte slot.
+#[test]
+fn peer_bf16_products_in_two_bytes_plan_soundly_and_smaller() {
+    let kept = |op: &graphtrain_ir::Op| op.is_composite() && !kept_composite(op);
+    let primitives =
+        graphtrain_ir::decompose::decompose(&step_in("peer", Precision::Bf16Mixed), &kept).unwrap();
+    let mut program = lower(&primitives, Mode::Fused).unwrap();
+    let in_slots = program.plan.arena_bytes;
+    let chosen = program.store_bf16_in_two_bytes();
+    let plan = &program.plan;
+    println!(
+        "peer bf16-mixed: {chosen} values in 2 bytes; {plan} (in 4-byte slots: {in_slots} bytes)"
+    );
+    assert!(chosen > 0);
+    check_placement(plan, plan.alignment);
+    for b in &plan.buffers {
+        for v in &b.values {
+            assert!(
+                b.bytes >= program.value_bytes(*v),
+                "{v:?} needs {} bytes, its buffer holds {}",
+                program.value_bytes(*v),
+                b.bytes
+            );
+            if program.is_two_byte(*v) {
+                assert_eq!(program.value_bytes(*v), 2 * program.graph.ty(*v).numel());
+            }
+        }
+    }
+    assert!(plan.arena_bytes < in_slots, "{plan}");
 }

@@ -410,6 +410,65 @@ fn bf16_casts_fold_into_the_matmuls_that_read_them() {
     ));
 }
 
+// bf16 stored in 2 bytes (`Program::store_bf16_in_two_bytes`, the cpu backend's): bf16 values
+// written by a matmul or a rounding map and read only whole by maps, by a map fused into a row
+// sum, or by matmuls are marked `(2 bytes)` (eager: the casts of `a` and `b` and the products;
+// fused, where the casts fold into the matmuls: the products); declined: values read through a
+// copy (eager: `t`'s product, read transposed, and `c`'s cast, of which `e` reads a slice), an
+// output (`r`), and a value of 8 elements, not a whole pair of the map kernel's vectors (`e`'s
+// product). Numerics: tests/backends.rs
+// (`bf16_values_stored_in_two_bytes_read_as_they_were_written`).
+#[test]
+fn bf16_values_whose_steps_take_halves_are_stored_in_two_bytes() {
+    let g = parse(
+        "graph halves {
+  input %a: f32[16,8]
+  input %b: f32[8,16]
+  input %c: f32[16,16]
+  %3: bf16[16,8] = cast(%a, dtype=bf16)
+  %4: bf16[8,16] = cast(%b, dtype=bf16)
+  %5: bf16[16,16] = cast(%c, dtype=bf16)
+  %6: bf16[16,16] = matmul(%3, %4)
+  %7: f32[16,16] = cast(%6, dtype=f32)
+  %8: f32[16,16] = mul(%7, %c)
+  %9: bf16[16,16] = matmul(%5, %5)
+  %19: f32[16,16] = cast(%9, dtype=f32)
+  %20: f32[16,16] = square(%19)
+  %21: f32[16] = reduce_sum(%20, axes=[1], keepdim=false)
+  %10: bf16[16,16] = matmul(%5, %5)
+  %11: bf16[16,16] = matmul(%10, %5)
+  %12: f32[16,16] = cast(%11, dtype=f32)
+  %13: bf16[16,16] = matmul(%5, %5)
+  %14: bf16[16,16] = transpose(%13, perm=[1,0])
+  %16: f32[16,16] = cast(%14, dtype=f32)
+  %15: bf16[16,16] = matmul(%5, %5)
+  %17: bf16[1,16] = slice(%5, axis=0, start=0, end=1)
+  %18: bf16[1,8] = matmul(%17, %3)
+  %22: f32[1,8] = cast(%18, dtype=f32)
+  %23: f32[1,8] = exp(%22)
+  output y = %8
+  output s = %21
+  output z = %12
+  output t = %16
+  output r = %15
+  output e = %23
+}",
+    )
+    .unwrap();
+    graphtrain_ir::verify::verify(&g).unwrap();
+    let mut text = String::new();
+    for mode in [Mode::Eager, Mode::Fused] {
+        let mut p = lower(&g, mode).unwrap();
+        let before = p.plan.arena_bytes;
+        let chosen = p.store_bf16_in_two_bytes();
+        text += &format!(
+            "{chosen} values in 2 bytes, arena {before} -> {} bytes\n{p}\n",
+            p.plan.arena_bytes
+        );
+    }
+    insta::assert_snapshot!(text);
+}
+
 // bf16 attention (bf16-mixed's): fused, the casts of q (through its transpose), k, v and the
 // output gradient are views that the attention steps round as they read them, and each result
 // is written through its widening cast straight into its transposed reader; eager materializes

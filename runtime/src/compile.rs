@@ -167,9 +167,16 @@ pub fn lower_for_backend(
     let legal = tracing::info_span!("legalize", ?backend)
         .in_scope(|| legalize(optimized, backend, mode))?;
     let keep = |op: &graphtrain_ir::Op| backend.keeps_composite(op);
-    tracing::info_span!("lower", ?mode)
+    let mut program = tracing::info_span!("lower", ?mode)
         .in_scope(|| lower_with_limits(&legal, mode, &keep, fusion))
-        .map_err(|e| RuntimeError::Lower(e.to_string()))
+        .map_err(|e| RuntimeError::Lower(e.to_string()))?;
+    if backend == Backend::Cpu {
+        // The cpu backend's GEMM and map kernels take bf16 stored in 2 bytes where the
+        // lowering allows it; the device backends read and write f32 slots only.
+        let chosen = program.store_bf16_in_two_bytes();
+        tracing::info!(values = chosen, "bf16 values stored in 2 bytes");
+    }
+    Ok(program)
 }
 
 /// The graph a compiled backend's lowering takes: every composite `backend` has no kernel for

@@ -273,7 +273,16 @@ pub fn run_once_with(
         runtime,
         ..CompileOptions::new(&pipeline, mode)
     };
-    let mut ex = compile(g, backend, &options)?.load(Box::new(SingleRank))?;
+    run_compiled(compile(g, backend, &options)?, inputs)
+}
+
+/// Loads `compiled` on one rank, runs it once from host inputs (in its graph's input order) and
+/// returns its outputs.
+pub fn run_compiled(
+    compiled: Compiled,
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>, RuntimeError> {
+    let mut ex = compiled.load(Box::new(SingleRank))?;
     let prog_inputs: Vec<ValueId> = ex.graph().inputs.iter().map(|i| i.value).collect();
     if prog_inputs.len() != inputs.len() {
         return Err(RuntimeError::Input(format!(

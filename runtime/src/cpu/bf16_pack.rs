@@ -150,8 +150,104 @@ pub unsafe fn copy_rows(
     }
 }
 
+/// The 2 bytes a bf16 value is stored in (`Program::is_two_byte`): `round_bf16(x)`'s high half,
+/// a NaN kept a NaN by its quiet bit (its payload may lie in the dropped half), as `pair` keeps
+/// it.
+pub fn half(x: f32) -> u16 {
+    let rounded = graphtrain_ir::host_tensor::round_bf16(x).to_bits();
+    let bits = if x.is_nan() {
+        rounded | QUIET_BIT
+    } else {
+        rounded
+    };
+    (bits >> 16) as u16
+}
+
+/// Row r of `dst` (`cols` 2-byte elements, `dst_stride` apart) = `half` of row r of `src`
+/// (`src_stride` apart): a block of a bf16 product's C, from L1 scratch to C stored in 2 bytes.
+///
+/// # Safety
+/// Those elements readable at `src`, writable at `dst`; the two do not overlap.
+pub unsafe fn copy_rows_to_halves(
+    src: *const f32,
+    src_stride: usize,
+    dst: *mut u16,
+    dst_stride: usize,
+    (rows, cols): (usize, usize),
+) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        for r in 0..rows {
+            // SAFETY: row r's `cols` elements (the caller's contract); AVX-512F is present.
+            unsafe { simd::to_halves(src.add(r * src_stride), dst.add(r * dst_stride), cols) };
+        }
+        return;
+    }
+    for r in 0..rows {
+        for c in 0..cols {
+            // SAFETY: (r, c) inside both (the caller's contract).
+            unsafe { *dst.add(r * dst_stride + c) = half(*src.add(r * src_stride + c)) };
+        }
+    }
+}
+
+/// Element `i` of a bf16 value stored in 2 bytes (`Program::is_two_byte`), as the f32 it is.
+///
+/// # Safety
+/// `x + i` readable.
+pub unsafe fn widen(x: *const u16, i: usize) -> f32 {
+    // SAFETY: the caller's contract.
+    f32::from_bits((unsafe { *x.add(i) } as u32) << 16)
+}
+
+/// `out[j] = x0[j] | x1[j] << 16` for `j < out.len()`: the pairs of two neighbouring k of an
+/// operand stored in 2 bytes whose k-th elements lie side by side (a row-major B's rows, a
+/// transposed A's columns), zeros for a missing `x1`. `side_by_side` for halves: they are
+/// bf16 already, so nothing rounds.
+///
+/// # Safety
+/// `out.len()` halves readable from `x0` (and `x1`).
+pub unsafe fn interleave_halves(x0: *const u16, x1: Option<*const u16>, out: &mut [u32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        // SAFETY: j < out.len() (the caller's contract).
+        unsafe {
+            let high = x1.map_or(0, |x1| *x1.add(j) as u32);
+            *o = *x0.add(j) as u32 | high << 16;
+        }
+    }
+}
+
+/// `out[p * stride]` = pair p of `k` elements stored in 2 bytes from `x` (a row of a
+/// row-major operand): the 4-byte words they already are where `x` is 4-byte aligned, the last
+/// pair's second half zero when `k` is odd. `neighbours` for halves.
+///
+/// # Safety
+/// `k` halves readable from `x`; `out` writable at every `p * stride` for the `k.div_ceil(2)`
+/// pairs.
+pub unsafe fn row_pairs_halves(x: *const u16, k: usize, out: *mut u32, stride: usize) {
+    let whole = k / 2;
+    if (x as usize).is_multiple_of(4) {
+        let words = x as *const u32;
+        for p in 0..whole {
+            // SAFETY: pair p's two halves are inside the row (the caller's contract).
+            unsafe { *out.add(p * stride) = words.add(p).read() };
+        }
+    } else {
+        for p in 0..whole {
+            // SAFETY: as above.
+            unsafe {
+                *out.add(p * stride) = *x.add(2 * p) as u32 | (*x.add(2 * p + 1) as u32) << 16
+            };
+        }
+    }
+    if k % 2 == 1 {
+        // SAFETY: element k - 1 is the row's last (the caller's contract).
+        unsafe { *out.add(whole * stride) = *x.add(k - 1) as u32 };
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-pub use simd::{columns_to_rows, rows_to_columns};
+pub use simd::{columns_to_rows, columns_to_rows_halves, rows_to_columns};
 
 /// Packing 16 pairs at a time: `round_bf16` on integer lanes (so denormals round as the cast
 /// kernels round them, which `vcvtne2ps2bf16` would flush), then each pair's two high halves
@@ -252,6 +348,24 @@ mod simd {
                 let v = load(src.add(done), live);
                 let v = if round { rounded::<false>(v) } else { v };
                 _mm512_mask_storeu_epi32(dst.add(done) as *mut i32, mask(live), v);
+            }
+            done += live;
+        }
+    }
+
+    /// `half` of `len` elements from `src`, to `dst`.
+    ///
+    /// # Safety
+    /// `len` elements readable at `src`, `len` halves writable at `dst`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn to_halves(src: *const f32, dst: *mut u16, len: usize) {
+        let mut done = 0;
+        while done < len {
+            let live = (len - done).min(16);
+            // SAFETY: `live` lanes from `done` are inside the caller's buffers.
+            unsafe {
+                let high = _mm512_srli_epi32::<16>(rounded::<true>(load(src.add(done), live)));
+                _mm512_mask_cvtepi32_storeu_epi16(dst.add(done) as *mut i16, mask(live), high);
             }
             done += live;
         }
@@ -367,6 +481,50 @@ mod simd {
                 };
                 *lanes = paired(x0, x1);
             }
+        }
+        for (r, row) in transpose(v).into_iter().enumerate() {
+            // SAFETY: 16 rows of 16 lanes writable (the caller's contract).
+            unsafe { _mm512_storeu_si512(out.add(r * out_stride) as *mut _, row) };
+        }
+    }
+
+    /// `columns_to_rows` of an operand stored in 2 bytes (`Program::is_two_byte`): element
+    /// (r, kk) at `x + r + kk * col_stride` halves; the pairs are its halves side by side.
+    ///
+    /// # Safety
+    /// As `columns_to_rows`'s.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn columns_to_rows_halves(
+        x: *const u16,
+        col_stride: usize,
+        k: usize,
+        first: usize,
+        rows: usize,
+        out: *mut u32,
+        out_stride: usize,
+    ) {
+        // `rows` (<= 16) halves zero-extended into 16 lanes; none past them is read.
+        let widened = |p: *const u16| {
+            let mut lanes = [0u16; 16];
+            // SAFETY: `rows` halves readable at `p` (the caller's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(p, lanes.as_mut_ptr(), rows.min(16));
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(lanes.as_ptr() as *const __m256i))
+            }
+        };
+        let mut v = [_mm512_setzero_si512(); 16];
+        for (q, lanes) in v.iter_mut().enumerate() {
+            let kk = 2 * (first + q);
+            if kk >= k {
+                break;
+            }
+            let x0 = widened(x.wrapping_add(kk * col_stride));
+            let x1 = if kk + 1 < k {
+                widened(x.wrapping_add((kk + 1) * col_stride))
+            } else {
+                _mm512_setzero_si512()
+            };
+            *lanes = _mm512_or_si512(x0, _mm512_slli_epi32::<16>(x1));
         }
         for (r, row) in transpose(v).into_iter().enumerate() {
             // SAFETY: 16 rows of 16 lanes writable (the caller's contract).

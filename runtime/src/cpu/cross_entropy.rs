@@ -14,7 +14,9 @@
 use super::pool::{Pool, TaskPtr};
 use super::rows::{exp, row_max, row_sum};
 
-/// `[N, C]` logits in the arena: element `(r, j)` at `offset + r·row_stride + j·col_stride`.
+/// `[N, C]` logits in the arena: element `(r, j)` at `offset + r·row_stride + j·col_stride`, in
+/// 4-byte slots, or in 2-byte halves where `halves` (bf16 stored in 2 bytes,
+/// `Program::is_two_byte`).
 #[derive(Clone, Copy, Debug)]
 pub struct Logits {
     pub offset: usize,
@@ -22,16 +24,35 @@ pub struct Logits {
     pub cols: usize,
     pub row_stride: usize,
     pub col_stride: usize,
+    pub halves: bool,
 }
 
 /// The arena, shared by the tasks (each writes its own rows only).
 type Arena = TaskPtr<f32>;
 
-/// Row `r` of `x`, copied into `scratch` when its elements are not contiguous.
+/// Row `r` of `x`, copied into `scratch` when its elements are not contiguous f32 (widened
+/// there when they are stored in 2 bytes: the row is read from memory at half the bytes and
+/// reused from L1).
 ///
 /// # Safety
 /// `x` lies in the arena.
 unsafe fn row<'a>(arena: Arena, x: &Logits, r: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+    if x.halves {
+        let start = (arena.0 as *const u16).wrapping_add(x.offset + r * x.row_stride);
+        if x.col_stride == 1 {
+            // SAFETY: the caller's contract: the row's `cols` halves are in the arena.
+            let halves = unsafe { std::slice::from_raw_parts(start, x.cols) };
+            for (s, h) in scratch.iter_mut().zip(halves) {
+                *s = f32::from_bits((*h as u32) << 16);
+            }
+        } else {
+            for (j, s) in scratch.iter_mut().enumerate() {
+                // SAFETY: the caller's contract.
+                *s = unsafe { super::bf16_pack::widen(start, j * x.col_stride) };
+            }
+        }
+        return scratch;
+    }
     let start = arena.at(x.offset + r * x.row_stride);
     if x.col_stride == 1 {
         // SAFETY: the caller's contract.
@@ -296,6 +317,7 @@ mod tests {
             cols: c,
             row_stride: c,
             col_stride: 1,
+            halves: false,
         };
         let t: Vec<usize> = (0..n).map(|r| (r * 7) % c).collect();
         let rows: Vec<usize> = (0..n).collect();

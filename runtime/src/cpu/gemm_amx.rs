@@ -98,6 +98,81 @@ pub unsafe fn pack_a(a: *const f32, la: Layout, height: usize, k: usize, out: &m
     }
 }
 
+/// `pack_a` of an A stored in 2 bytes (`Program::is_two_byte`): the same chunks, its pairs
+/// read as the halves they are (no rounding: they are bf16 already).
+///
+/// # Safety
+/// `a` must address every element of `height` rows x `k` columns under `la` (in halves).
+pub unsafe fn pack_a_halves(a: *const u16, la: Layout, height: usize, k: usize, out: &mut [u32]) {
+    let chunks = padded_pairs(k) / TILE_PAIRS;
+    let pairs = k.div_ceil(2);
+    let chunk_len = TILE_ROWS * TILE_PAIRS;
+    assert!(out.len() >= height.div_ceil(TILE_ROWS) * chunks * chunk_len);
+    let chunk_at = |t: usize, c: usize| (t * chunks + c) * chunk_len;
+    if la.row_stride == 1 && la.col_stride != 1 {
+        // SAFETY: the caller's contract; `out` holds every chunk (asserted).
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            pack_a_columns_halves(a, la, height, k, 0..chunks, out.as_mut_ptr())
+        };
+        return;
+    }
+    let mut row_pairs = vec![0u32; chunks * TILE_PAIRS];
+    for r in 0..height {
+        if la.col_stride == 1 {
+            // SAFETY: row r holds k halves (the caller's contract); `row_pairs` holds its
+            // pairs.
+            unsafe {
+                bf16_pack::row_pairs_halves(a.add(r * la.row_stride), k, row_pairs.as_mut_ptr(), 1)
+            };
+        } else {
+            for (p, lane) in row_pairs.iter_mut().enumerate().take(pairs) {
+                let at = |kk: usize| {
+                    // SAFETY: (r, kk) is inside A (the caller's contract).
+                    (kk < k).then(|| unsafe { *a.add(r * la.row_stride + kk * la.col_stride) })
+                };
+                *lane = at(2 * p).unwrap_or(0) as u32 | (at(2 * p + 1).unwrap_or(0) as u32) << 16;
+            }
+        }
+        let (t, lane) = (r / TILE_ROWS, r % TILE_ROWS);
+        for (c, chunk) in row_pairs.chunks(TILE_PAIRS).enumerate() {
+            out[chunk_at(t, c) + lane * TILE_PAIRS..][..TILE_PAIRS].copy_from_slice(chunk);
+        }
+    }
+}
+
+/// `pack_a_columns` of a transposed A stored in 2 bytes.
+///
+/// # Safety
+/// As `pack_a_columns`'s, `a` in halves.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn pack_a_columns_halves(
+    a: *const u16,
+    la: Layout,
+    m: usize,
+    k: usize,
+    chunks: std::ops::Range<usize>,
+    out: *mut u32,
+) {
+    let all = padded_pairs(k) / TILE_PAIRS;
+    for c in chunks {
+        for t in 0..m.div_ceil(TILE_ROWS) {
+            // SAFETY: as `pack_a_columns`.
+            unsafe {
+                bf16_pack::columns_to_rows_halves(
+                    a.add(t * TILE_ROWS),
+                    la.col_stride,
+                    k,
+                    c * TILE_PAIRS,
+                    (m - t * TILE_ROWS).min(TILE_ROWS),
+                    out.add((t * all + c) * TILE_ROWS * TILE_PAIRS),
+                    TILE_PAIRS,
+                )
+            };
+        }
+    }
+}
+
 /// Packs pair chunks `chunks` of every row tile of a transposed A (`m` rows, k down its
 /// columns: `la.row_stride == 1`, a weight gradient's activations) into `out`, where `pack_a`
 /// puts them for consecutive blocks: chunk (row tile t, chunk c) at `(t * all + c) * 256`, `all`

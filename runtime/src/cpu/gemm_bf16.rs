@@ -70,6 +70,91 @@ impl Bf16Tiles {
     }
 }
 
+/// Where a GEMM of bf16 operands stores its contiguous C: in f32 slots, or as bf16 in 2
+/// bytes an element (`Program::is_two_byte`: each element `bf16_pack::half` of its sum, so
+/// rounded as `round_c` rounds).
+#[derive(Clone, Copy, Debug)]
+pub enum COut {
+    F32(*mut f32),
+    Halves(*mut u16),
+}
+
+// SAFETY: a `COut` only carries C's address, as `TaskPtr` does; the tasks write disjoint parts
+// of C (every use says why).
+unsafe impl Sync for COut {}
+unsafe impl Send for COut {}
+
+impl COut {
+    /// Element `i` of C.
+    fn at(self, i: usize) -> COut {
+        match self {
+            COut::F32(c) => COut::F32(c.wrapping_add(i)),
+            COut::Halves(c) => COut::Halves(c.wrapping_add(i)),
+        }
+    }
+
+    /// Rows of a block computed into f32 scratch (`src`, `src_stride` apart) to this place of
+    /// C (`stride` apart), rounded to bf16 where `round` (always, into halves).
+    ///
+    /// # Safety
+    /// As `bf16_pack::copy_rows`'s, for the block's live `rows` x `cols`.
+    unsafe fn store(
+        self,
+        src: *const f32,
+        src_stride: usize,
+        stride: usize,
+        rows_cols: (usize, usize),
+        round: bool,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                COut::F32(c) => bf16_pack::copy_rows(src, src_stride, c, stride, rows_cols, round),
+                COut::Halves(c) => {
+                    bf16_pack::copy_rows_to_halves(src, src_stride, c, stride, rows_cols)
+                }
+            }
+        }
+    }
+}
+
+/// Where a GEMM of bf16 operands reads an operand: f32 slots (each element rounded to bf16 as
+/// it is packed), or bf16 stored in 2 bytes an element (`Program::is_two_byte`: packed as the
+/// halves they are).
+#[derive(Clone, Copy, Debug)]
+pub enum Src {
+    F32(*const f32),
+    Halves(*const u16),
+}
+
+// SAFETY: a `Src` only carries the operand's address, which the tasks only read.
+unsafe impl Sync for Src {}
+unsafe impl Send for Src {}
+
+impl Src {
+    /// Element `i` as the f32 it holds (not rounded).
+    ///
+    /// # Safety
+    /// Element `i` readable.
+    unsafe fn get(self, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Src::F32(x) => *x.add(i),
+                Src::Halves(x) => bf16_pack::widen(x, i),
+            }
+        }
+    }
+
+    /// Element `i` of an operand stored in 2 bytes (`None` for f32 slots).
+    fn halves_at(self, i: usize) -> Option<*const u16> {
+        match self {
+            Src::F32(_) => None,
+            Src::Halves(x) => Some(x.wrapping_add(i)),
+        }
+    }
+}
+
 /// `C = A @ B` over `batch` matrices (see the module's contract).
 ///
 /// # Safety
@@ -91,12 +176,44 @@ pub unsafe fn gemm_bf16(
     threads: usize,
     round_c: bool,
 ) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm_bf16_to(
+            tiles,
+            (batch, m, n, k),
+            (Src::F32(a), la),
+            (Src::F32(b), lb),
+            COut::F32(c),
+            threads,
+            round_c,
+        )
+    }
+}
+
+/// `gemm_bf16` with C stored as `c` says.
+///
+/// # Safety
+/// As `gemm_bf16`'s.
+pub unsafe fn gemm_bf16_to(
+    tiles: Bf16Tiles,
+    (batch, m, n, k): (usize, usize, usize, usize),
+    (a, la): (Src, Layout),
+    (b, lb): (Src, Layout),
+    c: COut,
+    threads: usize,
+    round_c: bool,
+) {
     if batch == 0 || m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         // SAFETY: C holds `batch * m * n` elements (the caller's contract).
-        unsafe { std::ptr::write_bytes(c, 0, batch * m * n) };
+        unsafe {
+            match c {
+                COut::F32(c) => std::ptr::write_bytes(c, 0, batch * m * n),
+                COut::Halves(c) => std::ptr::write_bytes(c, 0, batch * m * n),
+            }
+        };
         return;
     }
     let amx = tiles == Bf16Tiles::Amx;
@@ -122,8 +239,77 @@ pub unsafe fn gemm_bf16(
             pool.run(tasks, f);
         }
     };
-    let bp = TaskPtr(b as *mut f32);
-    if lb.col_stride == 1 {
+    let bp = TaskPtr(match b {
+        Src::F32(b) => b as *mut f32,
+        Src::Halves(_) => std::ptr::null_mut(),
+    });
+    if let (Src::Halves(_), 1) = (b, lb.col_stride) {
+        // Row-major B stored in 2 bytes: as the f32 rows below, each pair row from two rows'
+        // halves side by side.
+        let groups = pairs.div_ceil(PAIRS_PER_PACKING_TASK);
+        run(b_batches * groups, &|t| {
+            let (bi, group) = (t / groups, t % groups);
+            let first = group * PAIRS_PER_PACKING_TASK;
+            for p in first..(first + PAIRS_PER_PACKING_TASK).min(pairs) {
+                let row = |kk: usize| b.halves_at(bi * lb.batch_stride + kk * lb.row_stride);
+                let (r0, r1) = (row(2 * p), row(2 * p + 1).filter(|_| 2 * p + 1 < k));
+                for panel in 0..panels {
+                    let (from, cols) = (panel * NR, (n - panel * NR).min(NR));
+                    // SAFETY: task t alone writes pair row p of batch bi's panels; rows 2p and
+                    // 2p + 1 (when < k) of batch bi's B hold n halves (caller's contract).
+                    unsafe {
+                        let out = std::slice::from_raw_parts_mut(
+                            pb.at((bi * panels + panel) * panel_len + p * NR),
+                            cols,
+                        );
+                        bf16_pack::interleave_halves(
+                            r0.expect("B in halves").add(from),
+                            r1.map(|r1| r1.add(from)),
+                            out,
+                        );
+                    }
+                }
+            }
+            if group + 1 == groups {
+                for panel in 0..panels {
+                    let base = (bi * panels + panel) * panel_len;
+                    // SAFETY: the padding rows of batch bi's panels are this task's alone.
+                    let padding = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            pb.at(base + pairs * NR),
+                            panel_len - pairs * NR,
+                        )
+                    };
+                    padding.fill(0);
+                }
+            }
+        });
+    } else if let Src::Halves(_) = b {
+        // Any other B stored in 2 bytes, element by element (the lowering stores in 2 bytes
+        // the values whose readers read them row-major; this keeps every layout correct).
+        run(b_batches * panels, &|t| {
+            let (bi, panel) = (t / panels, t % panels);
+            let at = |kk: usize, j: usize| -> f32 {
+                if kk < k && j < n {
+                    // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
+                    unsafe { b.get(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
+                } else {
+                    0.0
+                }
+            };
+            let base = (bi * panels + panel) * panel_len;
+            // SAFETY: task t alone writes panel `panel` of batch `bi`, `panel_len` lanes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
+            let cols = (n - panel * NR).min(NR);
+            for p in 0..pairs {
+                for lane in 0..cols {
+                    let j = panel * NR + lane;
+                    dst[p * NR + lane] = pair(at(2 * p, j), at(2 * p + 1, j));
+                }
+            }
+            dst[pairs * NR..].fill(0);
+        });
+    } else if lb.col_stride == 1 {
         // Row-major B: a task packs a range of pair rows across every panel, reading B's rows
         // in memory order. (A task per panel walked a 128-byte strip of each row, rows `2n`
         // floats apart, which the prefetchers do not follow: its first loads waited on memory.)
@@ -233,7 +419,10 @@ pub unsafe fn gemm_bf16(
     // AMX packs A once, before the tasks, every 32-row block in parallel: its tiles compute
     // so fast that a task packing its rows again per column group (as the register tiles do
     // below) spent as long packing as computing.
-    let ap = TaskPtr(a as *mut f32);
+    let ap = TaskPtr(match a {
+        Src::F32(a) => a as *mut f32,
+        Src::Halves(_) => std::ptr::null_mut(),
+    });
     let a_block_len = BLOCK_ROWS * panel_pairs;
     let a_blocks = m.div_ceil(BLOCK_ROWS);
     let mut packed_a_all_buffer = take_buffer(&PACKED_A_ALL);
@@ -254,14 +443,14 @@ pub unsafe fn gemm_bf16(
             // inside A (the caller's contract); `available()`.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                gemm_amx::pack_a_columns(
-                    ap.at(bi * la.batch_stride),
-                    la,
-                    m,
-                    k,
-                    first..(first + CHUNKS_PER_PACKING_TASK).min(chunks),
-                    pa.at(bi * a_blocks * a_block_len),
-                )
+                let chunks = first..(first + CHUNKS_PER_PACKING_TASK).min(chunks);
+                let out = pa.at(bi * a_blocks * a_block_len);
+                match a.halves_at(bi * la.batch_stride) {
+                    Some(halves) => gemm_amx::pack_a_columns_halves(halves, la, m, k, chunks, out),
+                    None => {
+                        gemm_amx::pack_a_columns(ap.at(bi * la.batch_stride), la, m, k, chunks, out)
+                    }
+                }
             };
         });
     } else if amx {
@@ -273,13 +462,14 @@ pub unsafe fn gemm_bf16(
             // bi's A are inside A (the caller's contract); `available()`.
             unsafe {
                 let out = std::slice::from_raw_parts_mut(pa.at(t * a_block_len), a_block_len);
-                gemm_amx::pack_a(
-                    ap.at(bi * la.batch_stride + first * la.row_stride),
-                    la,
+                let (origin, height) = (
+                    bi * la.batch_stride + first * la.row_stride,
                     (m - first).min(BLOCK_ROWS),
-                    k,
-                    out,
                 );
+                match a.halves_at(origin) {
+                    Some(halves) => gemm_amx::pack_a_halves(halves, la, height, k, out),
+                    None => gemm_amx::pack_a(ap.at(origin), la, height, k, out),
+                }
             }
         });
     }
@@ -294,7 +484,7 @@ pub unsafe fn gemm_bf16(
     let groups = wanted.div_ceil(batch * row_blocks).clamp(1, panels);
     let panels_per_group = panels.div_ceil(groups);
     let groups = panels.div_ceil(panels_per_group);
-    let cp = TaskPtr(c);
+    let cp = c;
     let (b_packed, packed_a_all) = (&*packed_b, &*packed_a_all);
     run(batch * row_blocks * groups, &|t| {
         let (bi, rest) = (t / (row_blocks * groups), t % (row_blocks * groups));
@@ -328,7 +518,7 @@ pub unsafe fn gemm_bf16(
         let at = |i: usize, kk: usize| -> f32 {
             if kk < k {
                 // SAFETY: (i, kk) is inside batch bi's A (caller's contract).
-                unsafe { *ap.at(bi * la.batch_stride + i * la.row_stride + kk * la.col_stride) }
+                unsafe { a.get(bi * la.batch_stride + i * la.row_stride + kk * la.col_stride) }
             } else {
                 0.0
             }
@@ -337,7 +527,47 @@ pub unsafe fn gemm_bf16(
         // A's memory order: down columns (k and k + 1 side by side) when A is transposed, along
         // rows when it is row-major.
         let origin = bi * la.batch_stride + rows.start * la.row_stride;
-        if la.row_stride == 1 && la.col_stride != 1 {
+        let halves = a.halves_at(origin);
+        if let (Some(halves), true) = (halves, la.row_stride == 1 && la.col_stride != 1) {
+            for p in 0..pairs {
+                let c0 = halves.wrapping_add(2 * p * la.col_stride);
+                let c1 = (2 * p + 1 < k).then(|| halves.wrapping_add((2 * p + 1) * la.col_stride));
+                for tile in 0..tiles {
+                    let live = (height - tile * MR).min(MR);
+                    let out = &mut packed_a[(tile * pairs + p) * MR..][..live];
+                    // SAFETY: columns 2p and 2p + 1 (when < k) hold the task's `height` rows.
+                    unsafe {
+                        bf16_pack::interleave_halves(
+                            c0.add(tile * MR),
+                            c1.map(|c1| c1.add(tile * MR)),
+                            out,
+                        )
+                    };
+                }
+            }
+        } else if let (Some(halves), 1) = (halves, la.col_stride) {
+            for r in 0..height {
+                let (tile, lane) = (r / MR, r % MR);
+                // SAFETY: row `rows.start + r` holds k halves; its pairs go to lanes of
+                // `packed_a` MR apart, inside it.
+                unsafe {
+                    bf16_pack::row_pairs_halves(
+                        halves.add(r * la.row_stride),
+                        k,
+                        packed_a.as_mut_ptr().add(tile * pairs * MR + lane),
+                        MR,
+                    )
+                };
+            }
+        } else if halves.is_some() {
+            for r in 0..height {
+                let (tile, lane) = (r / MR, r % MR);
+                for p in 0..pairs {
+                    let i = rows.start + r;
+                    packed_a[(tile * pairs + p) * MR + lane] = pair(at(i, 2 * p), at(i, 2 * p + 1));
+                }
+            }
+        } else if la.row_stride == 1 && la.col_stride != 1 {
             for p in 0..pairs {
                 // SAFETY: columns 2p and 2p + 1 (when < k) hold the task's `height` rows.
                 let c0 = unsafe {
@@ -381,14 +611,34 @@ pub unsafe fn gemm_bf16(
                 // SAFETY: rows first..first+live_rows and columns panel*NR..+cols of batch bi's
                 // C belong to this task alone; `available()` (the caller's contract).
                 unsafe {
-                    let c_tile = cp.at(bi * m * n + first * n + panel * NR);
-                    #[cfg(target_arch = "x86_64")]
-                    tile_12x32(a_tile, b_panel, pairs, c_tile, n, live_rows, cols);
-                    if round_c {
-                        bf16_pack::round_rows(c_tile, n, live_rows, cols);
+                    match cp.at(bi * m * n + first * n + panel * NR) {
+                        COut::F32(c_tile) => {
+                            #[cfg(target_arch = "x86_64")]
+                            tile_12x32(a_tile, b_panel, pairs, c_tile, n, live_rows, cols);
+                            if round_c {
+                                bf16_pack::round_rows(c_tile, n, live_rows, cols);
+                            }
+                            #[cfg(not(target_arch = "x86_64"))]
+                            let _ = c_tile;
+                        }
+                        halves => {
+                            // Through a tile of scratch: the register tile stores f32.
+                            let mut scratch = [0f32; MR * NR];
+                            #[cfg(target_arch = "x86_64")]
+                            tile_12x32(
+                                a_tile,
+                                b_panel,
+                                pairs,
+                                scratch.as_mut_ptr(),
+                                NR,
+                                live_rows,
+                                cols,
+                            );
+                            halves.store(scratch.as_ptr(), NR, n, (live_rows, cols), true);
+                        }
                     }
                     #[cfg(not(target_arch = "x86_64"))]
-                    let _ = (a_tile, b_panel, c_tile, live_rows, cols);
+                    let _ = (a_tile, b_panel, live_rows, cols);
                 }
             }
         }
@@ -414,7 +664,7 @@ unsafe fn amx_task(
     b_panels: &[u32],
     panels: std::ops::Range<usize>,
     n: usize,
-    c: *mut f32,
+    c: COut,
     round_c: bool,
 ) {
     let chunks = panel_pairs / TILE_PAIRS;
@@ -436,15 +686,14 @@ unsafe fn amx_task(
     let mut staged = [Staged([0.0; BLOCK_ROWS * BLOCK_COLS]); 2];
     let mut next = 0;
     // (staging block, where in C, live rows, live columns)
-    let mut pending: Option<(usize, *mut f32, usize, usize)> = None;
-    let flush = |pending: Option<(usize, *mut f32, usize, usize)>, staged: &[Staged; 2]| {
+    let mut pending: Option<(usize, COut, usize, usize)> = None;
+    let flush = |pending: Option<(usize, COut, usize, usize)>, staged: &[Staged; 2]| {
         if let Some((slot, at, rows, cols)) = pending {
             // SAFETY: the block's live part of C is this task's; the staging block is whole.
             unsafe {
-                bf16_pack::copy_rows(
+                at.store(
                     staged[slot].0.as_ptr(),
                     BLOCK_COLS,
-                    at,
                     n,
                     (rows, cols),
                     round_c,
@@ -458,9 +707,9 @@ unsafe fn amx_task(
         for block in 0..blocks {
             let a_block = packed_a[block * block_len..].as_ptr();
             let live_rows = (height - block * BLOCK_ROWS).min(BLOCK_ROWS);
-            let at = c.wrapping_add(block * BLOCK_ROWS * n + panel * NR);
+            let at = c.at(block * BLOCK_ROWS * n + panel * NR);
             let whole = live_rows == BLOCK_ROWS && cols == BLOCK_COLS;
-            let staged_now = if whole && !round_c {
+            let staged_now = if let (true, false, COut::F32(at)) = (whole, round_c, at) {
                 // SAFETY: the block's rows and the panel's columns of C are this task's.
                 unsafe { tiles.block(a_block, b_panel, chunks, at, n) };
                 None

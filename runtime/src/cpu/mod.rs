@@ -224,12 +224,16 @@ shape {:?} strides {:?}",
                 logits.shape, targets.shape
             )));
         };
+        let halves = self.program.is_two_byte(logits.base);
+        let slot = self.off(logits.base);
         let x = cross_entropy::Logits {
-            offset: self.off(logits.base) + logits.offset,
+            // In halves where the logits are stored in 2 bytes: the view counts halves.
+            offset: if halves { 2 * slot } else { slot } + logits.offset,
             rows,
             cols,
             row_stride,
             col_stride,
+            halves,
         };
         let t_off = self.off(targets.base) + targets.offset;
         // SAFETY: the targets view lies in the arena.
@@ -271,45 +275,107 @@ shape {:?} strides {:?}",
             row_stride: v.strides[1],
             col_stride: v.strides[2],
         };
-        let (ao, bo, co) = (
-            self.off(a.base) + a.offset,
-            self.off(b.base) + b.offset,
-            self.off(out),
-        );
-        let bf16 = rounding.out;
-        // SAFETY: the views and the output lie inside the arena; the planner never places an
-        // output over a live operand.
-        let (pa, pb, pc) = unsafe { (self.base.add(ao), self.base.add(bo), self.base.add(co)) };
-        let (la, lb, threads) = (layout(a), layout(b), units() as usize);
-        let rounded_c = if let Some(tiles) = self.bf16_tiles().filter(|_| bf16) {
-            // SAFETY: as above; `widest` picks AMX only where it is available. Its packing
-            // rounds every operand to bf16, its stores round C (the bf16 product's sums
-            // rounded once, as the interpreter rounds them).
+        // Each operand in f32 slots, or stored as bf16 in 2 bytes (`Program::is_two_byte`:
+        // the view's offset and strides count halves from the value's first).
+        let operand = |v: &View| -> Operand {
+            let slot = self.off(v.base);
+            // SAFETY: the view lies inside the arena, in its value's buffer.
             unsafe {
-                gemm_bf16::gemm_bf16(tiles, batch, m, n, k, pa, la, pb, lb, pc, threads, true)
-            };
-            true
-        } else {
-            // The f32 GEMM reads operands as they are: f32 operands of a bf16 product (a cast
-            // fusion folded into it) are rounded into a copy first.
-            // SAFETY: the views lie inside the arena (as above).
-            let a_copy = (bf16 && rounding.a).then(|| unsafe { rounded_copy(pa, la, batch, m, k) });
-            let b_copy = (bf16 && rounding.b).then(|| unsafe { rounded_copy(pb, lb, batch, k, n) });
-            let (pa, la) = a_copy
-                .as_ref()
-                .map_or((pa as *const f32, la), |(c, l)| (c.as_ptr(), *l));
-            let (pb, lb) = b_copy
-                .as_ref()
-                .map_or((pb as *const f32, lb), |(c, l)| (c.as_ptr(), *l));
-            // SAFETY: as above; the copies hold what their layouts name.
-            unsafe { gemm::sgemm_with(self.gemm, batch, m, n, k, pa, la, pb, lb, pc, threads) };
-            false
+                if self.program.is_two_byte(v.base) {
+                    Operand::Halves((self.base as *const u16).add(2 * slot + v.offset))
+                } else {
+                    Operand::F32(self.base.add(slot + v.offset))
+                }
+            }
         };
-        if bf16 && !rounded_c {
-            // A bf16 product: its f32 sums rounded once to bf16, as the interpreter rounds it.
-            // SAFETY: the output's `batch * m * n` elements lie inside the arena (as above).
-            let c = unsafe { std::slice::from_raw_parts_mut(self.base.add(co), batch * m * n) };
-            bf16_pack::round_in_place(c);
+        let (sa, sb) = (operand(a), operand(b));
+        let co = self.off(out);
+        let c = if self.program.is_two_byte(out) {
+            // SAFETY: C's buffer lies inside the arena.
+            gemm_bf16::COut::Halves(unsafe { (self.base as *mut u16).add(2 * co) })
+        } else {
+            // SAFETY: as above.
+            gemm_bf16::COut::F32(unsafe { self.base.add(co) })
+        };
+        let bf16 = rounding.out;
+        let (la, lb, threads) = (layout(a), layout(b), units() as usize);
+        // SAFETY (for the GEMMs below): the views and the output lie inside the arena; the
+        // planner never places an output over a live operand.
+        if let Some(tiles) = self.bf16_tiles().filter(|_| bf16) {
+            // `widest` picks AMX only where it is available. Its packing rounds every f32
+            // operand to bf16, its stores round C (the bf16 product's sums rounded once, as the
+            // interpreter rounds them).
+            unsafe {
+                gemm_bf16::gemm_bf16_to(
+                    tiles,
+                    (batch, m, n, k),
+                    (sa, la),
+                    (sb, lb),
+                    c,
+                    threads,
+                    true,
+                )
+            };
+            return Ok(());
+        }
+        // The f32 GEMM reads f32 operands as they are: f32 operands of a bf16 product (a cast
+        // fusion folded into it) are rounded into a copy first, and operands stored in 2 bytes
+        // widened into one.
+        // SAFETY: the views lie inside the arena (as above).
+        let copy = |src: Operand, l: Layout, round: bool, rows: usize, cols: usize| unsafe {
+            match src {
+                Operand::Halves(h) => Some(widened_copy(h, l, batch, rows, cols)),
+                Operand::F32(p) if bf16 && round => Some(rounded_copy(p, l, batch, rows, cols)),
+                Operand::F32(_) => None,
+            }
+        };
+        let (a_copy, b_copy) = (
+            copy(sa, la, rounding.a, m, k),
+            copy(sb, lb, rounding.b, k, n),
+        );
+        let in_place = |src: Operand, l: Layout| match src {
+            Operand::F32(p) => (p, l),
+            Operand::Halves(_) => unreachable!("an operand in halves is always copied"),
+        };
+        let (pa, la) = a_copy
+            .as_ref()
+            .map_or_else(|| in_place(sa, la), |(c, l)| (c.as_ptr(), *l));
+        let (pb, lb) = b_copy
+            .as_ref()
+            .map_or_else(|| in_place(sb, lb), |(c, l)| (c.as_ptr(), *l));
+        match c {
+            gemm_bf16::COut::F32(pc) => {
+                // SAFETY: as above; the copies hold what their layouts name.
+                unsafe { gemm::sgemm_with(self.gemm, batch, m, n, k, pa, la, pb, lb, pc, threads) };
+                if bf16 {
+                    // A bf16 product: its f32 sums rounded once to bf16, as the interpreter
+                    // rounds it.
+                    // SAFETY: the output's `batch * m * n` elements lie inside the arena.
+                    let c = unsafe { std::slice::from_raw_parts_mut(pc, batch * m * n) };
+                    bf16_pack::round_in_place(c);
+                }
+            }
+            gemm_bf16::COut::Halves(pc) => {
+                // The f32 GEMM stores f32: into scratch, then halved (rounded) into C.
+                let mut sums = vec![0f32; batch * m * n];
+                // SAFETY: as above; `sums` holds C's elements, C's halves its buffer.
+                unsafe {
+                    gemm::sgemm_with(
+                        self.gemm,
+                        batch,
+                        m,
+                        n,
+                        k,
+                        pa,
+                        la,
+                        pb,
+                        lb,
+                        sums.as_mut_ptr(),
+                        threads,
+                    );
+                    bf16_pack::copy_rows_to_halves(sums.as_ptr(), 0, pc, 0, (1, sums.len()));
+                }
+            }
         }
         Ok(())
     }
@@ -714,6 +780,41 @@ fn for_each_row(
         }
     }
     Ok(())
+}
+
+/// A matmul operand in the arena: f32 slots, or bf16 stored in 2 bytes.
+type Operand = gemm_bf16::Src;
+
+/// The `[batch, rows, cols]` operand stored in 2 bytes at `h` read through `layout` (in
+/// halves), widened into a contiguous f32 copy (one matrix where the batch stride is 0), with
+/// the copy's layout: what the f32 GEMM reads.
+///
+/// # Safety
+/// `h` must address every element `layout` names for that shape.
+unsafe fn widened_copy(
+    h: *const u16,
+    layout: Layout,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+) -> (Vec<f32>, Layout) {
+    let batches = if layout.batch_stride == 0 { 1 } else { batch };
+    let mut copy = Vec::with_capacity(batches * rows * cols);
+    for bi in 0..batches {
+        for i in 0..rows {
+            for j in 0..cols {
+                let at = bi * layout.batch_stride + i * layout.row_stride + j * layout.col_stride;
+                // SAFETY: (bi, i, j) is inside the operand (the caller's contract).
+                copy.push(unsafe { bf16_pack::widen(h, at) });
+            }
+        }
+    }
+    let copied = Layout {
+        batch_stride: if batches == 1 { 0 } else { rows * cols },
+        row_stride: cols,
+        col_stride: 1,
+    };
+    (copy, copied)
 }
 
 /// The `[batch, rows, cols]` operand at `p` read through `layout`, rounded to bf16 into a

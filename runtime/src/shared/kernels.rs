@@ -97,6 +97,18 @@ const ON_ROW_BITS: u32 = 0x3f << ON_ROW_SHIFT;
 /// kernels, each op alone, cannot be rewritten so, and would round differently).
 pub const GUARD_OPS: u32 = 1 << 30;
 
+/// Bit of `modes` saying that input `k` (read whole, `MODE_FULL`) is stored as bf16 in 2 bytes
+/// an element (`Program::is_two_byte`); its offset is then in 4-byte slots, not vectors. The
+/// bits lie where the other fields leave room.
+pub const fn halves_bit(k: usize) -> u32 {
+    [1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 22, 1 << 23][k]
+}
+
+/// Bit of `modes` saying that a map's output is stored as bf16 in 2 bytes an element: `out` is
+/// then in vectors of 4-byte slots, each unit takes whole pairs of vectors and stores each pair
+/// as one vector of slots.
+pub const OUT_HALVES: u32 = 1 << 28;
+
 /// Bits of `modes` that make a map kernel reduce its expression instead of storing it
 /// (`Step::MapReduce`): a sum or a max over rows of `l` elements, `len` rows.
 pub const REDUCE_SUM: u32 = 1 << 24;
@@ -153,7 +165,9 @@ fn load<N: Size>(
     let o = pick(args.o0, args.o1, args.o2, args.o3, args.o4, args.o5, k);
     let mode = comptime!((modes >> (2 * k)) & 3);
     let on_row = comptime!((modes >> (ON_ROW_SHIFT + k)) & 1 == 1);
-    if comptime!(mode == MODE_FULL) {
+    if comptime!(mode == MODE_FULL && modes & halves_bit(k as usize) != 0) {
+        load_halves::<N>(x0, x1, x2, x3, x4, x5, args, o, i, k)
+    } else if comptime!(mode == MODE_FULL) {
         read::<N>(x0, x1, x2, x3, x4, x5, o + i, k)
     } else if comptime!(mode == MODE_SCALAR) {
         Vector::<f32, N>::new(
@@ -178,6 +192,75 @@ fn load<N: Size>(
         }
         read::<N>(x0, x1, x2, x3, x4, x5, e >> args.shift, k)
     }
+}
+
+/// Vector `i` of input `k` stored as bf16 in 2 bytes an element from 4-byte slot `o`: its
+/// elements `2j` and `2j + 1` are the low and high halves of slot `o + j` (little-endian, in
+/// element order), each widened to the f32 it is by placing it in the high half. `o` is a
+/// multiple of the vector width (the arena's alignment), so a vector's slots are the low or
+/// the high half of one vector of slots.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_halves<N: Size>(
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    o: usize,
+    i: usize,
+    #[comptime] k: u32,
+) -> Vector<f32, N> {
+    let mut out = Vector::<f32, N>::empty();
+    let lanes = out.vector_size();
+    let high = u32::new(4294901760i64);
+    let sixteen = u32::new(16);
+    if comptime!(lanes == 1) {
+        let slot = o + (i >> 1);
+        let bits = u32::reinterpret(read::<N>(x0, x1, x2, x3, x4, x5, slot, k).extract(0usize));
+        let widened = select((i & 1) == 1, bits & high, bits << sixteen);
+        out.insert(0usize, f32::reinterpret(widened));
+    } else {
+        let half = comptime!(lanes / 2);
+        let first = o + i * half;
+        let v = Vector::<u32, N>::reinterpret(read::<N>(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            first >> args.shift,
+            k,
+        ));
+        let even = v << Vector::<u32, N>::new(16);
+        let odd = v & Vector::<u32, N>::new(4294901760);
+        // The vector from the low half of the slots, and the one from the high half.
+        let mut from_low = Vector::<u32, N>::empty();
+        let mut from_high = Vector::<u32, N>::empty();
+        #[unroll]
+        for j in 0..lanes {
+            let low_lane = comptime!(j / 2);
+            let high_lane = comptime!(half + j / 2);
+            if comptime!(j % 2 == 0) {
+                from_low.insert(j, even.extract(low_lane));
+                from_high.insert(j, even.extract(high_lane));
+            } else {
+                from_low.insert(j, odd.extract(low_lane));
+                from_high.insert(j, odd.extract(high_lane));
+            }
+        }
+        let upper = Vector::<u32, N>::new(u32::cast_from(first & args.mask));
+        let bits = select_many(
+            upper.not_equal(&Vector::<u32, N>::new(0)),
+            from_high,
+            from_low,
+        );
+        out = Vector::<f32, N>::reinterpret(bits);
+    }
+    out
 }
 
 /// A unit's share of a launch: items `start..end`.
@@ -428,6 +511,31 @@ fn map_store<N: Size>(
     #[comptime] modes: u32,
     #[comptime] expr: Expr,
 ) {
+    if comptime!(modes & OUT_HALVES != 0) {
+        map_store_halves::<N>(x0, x1, x2, x3, x4, x5, y, args, l, out, len, modes, expr);
+    } else {
+        map_store_slots::<N>(x0, x1, x2, x3, x4, x5, y, args, l, out, len, modes, expr);
+    }
+}
+
+/// `map_store` into 4-byte slots: vector `i` of the output at vector `out + i`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn map_store_slots<N: Size>(
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    l: usize,
+    out: usize,
+    len: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) {
     let w = args.w;
     let base = args.base;
     let span = unit_span(len, 1);
@@ -464,6 +572,124 @@ fn map_store<N: Size>(
             }
         }
     }
+}
+
+/// `map_store` of bf16 values into 2-byte halves (`OUT_HALVES`): output vectors `i` and
+/// `i + 1` (`len` is even) become vector `out + i / 2` of slots, each slot the halves of two
+/// neighbouring elements (the lower element in the low half), a NaN kept a NaN by its quiet
+/// bit. The expression's values are bf16 already (the lowering chooses only maps whose
+/// expression ends in `RoundBf16`), so keeping their high halves loses nothing.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn map_store_halves<N: Size>(
+    x0: &mut [Vector<f32, N>],
+    x1: &mut [Vector<f32, N>],
+    x2: &mut [Vector<f32, N>],
+    x3: &mut [Vector<f32, N>],
+    x4: &mut [Vector<f32, N>],
+    x5: &mut [Vector<f32, N>],
+    y: &mut [Vector<f32, N>],
+    args: &MapArgs,
+    l: usize,
+    out: usize,
+    len: usize,
+    #[comptime] modes: u32,
+    #[comptime] expr: Expr,
+) {
+    let w = args.w;
+    let base = args.base;
+    let span = unit_span(len, 2);
+    let rowed = comptime!(modes & ON_ROW_BITS != 0);
+    let mut row = 0;
+    let mut col = 0;
+    if comptime!(rowed) {
+        let pos = base + span.start * w;
+        row = pos / l;
+        col = pos % l;
+    }
+    let mut i = span.start;
+    while i < span.end {
+        let first = eval::<N>(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            args,
+            i,
+            row,
+            col,
+            modes,
+            expr.clone(),
+        );
+        if comptime!(rowed) {
+            col += w;
+            if col == l {
+                col = 0;
+                row += 1;
+            }
+        }
+        let second = eval::<N>(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            args,
+            i + 1,
+            row,
+            col,
+            modes,
+            expr.clone(),
+        );
+        if comptime!(rowed) {
+            col += w;
+            if col == l {
+                col = 0;
+                row += 1;
+            }
+        }
+        y[out + (i >> 1)] = halves_of::<N>(first, second);
+        i += 2;
+    }
+}
+
+/// The slots holding `first` then `second` as bf16 halves (see `map_store_halves`).
+#[cube]
+fn halves_of<N: Size>(first: Vector<f32, N>, second: Vector<f32, N>) -> Vector<f32, N> {
+    let quiet = Vector::<u32, N>::new(4194304);
+    let a = select_many(
+        first.equal(&first),
+        Vector::<u32, N>::reinterpret(first),
+        Vector::<u32, N>::reinterpret(first) | quiet,
+    );
+    let b = select_many(
+        second.equal(&second),
+        Vector::<u32, N>::reinterpret(second),
+        Vector::<u32, N>::reinterpret(second) | quiet,
+    );
+    let low = a >> Vector::<u32, N>::new(16);
+    let high = a & Vector::<u32, N>::new(4294901760);
+    let low_b = b >> Vector::<u32, N>::new(16);
+    let high_b = b & Vector::<u32, N>::new(4294901760);
+    let mut slots = Vector::<u32, N>::empty();
+    let lanes = slots.vector_size();
+    if comptime!(lanes == 1) {
+        slots.insert(0usize, low.extract(0usize) | high_b.extract(0usize));
+    } else {
+        let half = comptime!(lanes / 2);
+        #[unroll]
+        for j in 0..half {
+            let even = comptime!(2 * j);
+            let odd = comptime!(2 * j + 1);
+            let at = comptime!(half + j);
+            slots.insert(j, low.extract(even) | high.extract(odd));
+            slots.insert(at, low_b.extract(even) | high_b.extract(odd));
+        }
+    }
+    Vector::<f32, N>::reinterpret(slots)
 }
 
 /// The body of `map_kernel` with `REDUCE_*`: `arena[out·w + o] = reduce over j < l of

@@ -5,8 +5,8 @@
 
 use crate::shared::kernel_call::KernelCall;
 use crate::shared::kernels::{
-    GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT, REDUCE_HALVES,
-    REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
+    halves_bit, GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT,
+    OUT_HALVES, REDUCE_HALVES, REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
 };
 use crate::RuntimeError;
 use graphtrain_ir::ValueId;
@@ -87,7 +87,7 @@ impl Launches<'_> {
                 len,
                 inputs,
                 expr,
-            } => self.map_calls(*out, *len, inputs, expr, &mut calls),
+            } => self.map_calls(*out, *len, inputs, expr, &mut calls)?,
             Step::Copy { dst, src } => {
                 if src.numel() > 0 {
                     let dims = collapse(&src.shape, &[&src.strides, &dst.strides]);
@@ -133,9 +133,13 @@ impl Launches<'_> {
         inputs: &[graphtrain_lowering::MapInput],
         expr: &graphtrain_lowering::Expr,
         calls: &mut Vec<KernelCall>,
-    ) {
-        let (offs, params, modes, row_len, vectorizable) = self.map_modes(inputs);
+    ) -> Result<(), RuntimeError> {
+        let (offs, params, mut modes, row_len, vectorizable) = self.map_modes(inputs);
         let out_off = self.program.elem_offset(out);
+        let out_halves = self.program.is_two_byte(out);
+        if out_halves {
+            modes |= OUT_HALVES;
+        }
         // Whole vectors first; the tail (len % self.grid.vector) with a width-1 launch of the same kernel.
         let body = if vectorizable {
             len / self.grid.vector * self.grid.vector
@@ -146,23 +150,45 @@ impl Launches<'_> {
             if count == 0 {
                 return;
             }
-            // Full inputs are addressed in vectors from `start`; the others in elements.
+            // Full inputs are addressed in vectors from `start` (in 4-byte slots where stored
+            // in 2 bytes: `start` is a whole number of vectors, so even); the others in
+            // elements.
             let o = |k: usize| {
-                if (modes >> (2 * k)) & 3 == MODE_FULL {
+                if modes & halves_bit(k) != 0 {
+                    offs[k] + start / 2
+                } else if (modes >> (2 * k)) & 3 == MODE_FULL {
                     (offs[k] + start) / width
                 } else {
                     offs[k]
                 }
             };
+            // An output stored in 2 bytes is written a pair of vectors to one vector of slots
+            // (`map_store_halves`): the lowering chose it only with a length of whole pairs.
+            let out_vector = if out_halves {
+                (out_off + start / 2) / width
+            } else {
+                (out_off + start) / width
+            };
             calls.push(map_call(
                 (width, self.grid.units(count, 4096), modes, expr),
                 [o(0), o(1), o(2), o(3), o(4), o(5)],
                 params,
-                [start, row_len, (out_off + start) / width, count / width],
+                [start, row_len, out_vector, count / width],
             ));
         };
+        if out_halves
+            && (!len.is_multiple_of(2 * self.grid.vector)
+                || !out_off.is_multiple_of(self.grid.vector))
+        {
+            return Err(RuntimeError::Backend(format!(
+                "a map writing {len} bf16 elements in 2 bytes at slot {out_off}: not whole pairs \
+of {}-lane vectors",
+                self.grid.vector
+            )));
+        }
         push(self.grid.vector, 0, body);
         push(1, body, len - body);
+        Ok(())
     }
 
     /// The map kernel in its reducing form (`REDUCE_*`), at the grid's vector width: rows are a
@@ -215,7 +241,9 @@ impl Launches<'_> {
             modes |= REDUCE_OUTER;
         }
         let o = |k: usize| {
-            if (modes >> (2 * k)) & 3 == MODE_FULL {
+            if modes & halves_bit(k) != 0 {
+                offs[k]
+            } else if (modes >> (2 * k)) & 3 == MODE_FULL {
                 offs[k] / width
             } else {
                 offs[k]
@@ -249,6 +277,10 @@ impl Launches<'_> {
         for (k, i) in inputs.iter().enumerate() {
             offs[k] = self.program.elem_offset(i.value);
             let mode = match i.access {
+                Access::Full if self.program.is_two_byte(i.value) => {
+                    modes |= halves_bit(k);
+                    MODE_FULL
+                }
                 Access::Full => MODE_FULL,
                 Access::Scalar => MODE_SCALAR,
                 Access::Outer { inner } => {
