@@ -619,6 +619,12 @@ impl Program {
     /// then holds it in buffers of `window` bytes, each value inside one. Fails, naming the
     /// value, when one is larger than a window.
     pub fn plan_in_windows(&mut self, window: usize) -> Result<(), String> {
+        self.plan_again(Some(window))
+    }
+
+    /// Plans the arena again from the steps, each value taking `value_bytes` (in windows of
+    /// `window` bytes where given).
+    pub(crate) fn plan_again(&mut self, window: Option<usize>) -> Result<(), String> {
         let slots = arena_slots(
             &self.steps,
             &self.constants,
@@ -630,7 +636,7 @@ impl Program {
             &slots,
             &|v| self.value_bytes(v),
             ARENA_ALIGN,
-            Some(window),
+            window,
         )?;
         Ok(())
     }

@@ -25,10 +25,7 @@
 //! GEMMs and maps run near their memory rate (docs/benchmarks.md): `peer`'s feed-forward
 //! products alone are 6 MiB each in f32 slots.
 
-use crate::buffer_plan::plan_sized;
-use crate::program::{
-    arena_slots, Access, Expr, Program, Step, ARENA_ALIGN, BROADCAST_ALIGN, ELEM_BYTES,
-};
+use crate::program::{Access, Expr, Program, Step, BROADCAST_ALIGN, ELEM_BYTES};
 use graphtrain_ir::{DType, ValueId};
 
 /// Bytes of one element of a value stored as bf16.
@@ -44,20 +41,8 @@ impl Program {
             return 0;
         }
         self.bf16_in_two_bytes = chosen;
-        let slots = arena_slots(
-            &self.steps,
-            &self.constants,
-            &self.host_values,
-            self.graph.values.len(),
-        );
-        self.plan = plan_sized(
-            &self.graph,
-            &slots,
-            &|v| self.value_bytes(v),
-            ARENA_ALIGN,
-            None,
-        )
-        .expect("a plan without windows always places every buffer");
+        self.plan_again(None)
+            .expect("a plan without windows always places every buffer");
         count
     }
 

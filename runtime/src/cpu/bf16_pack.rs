@@ -191,6 +191,51 @@ pub unsafe fn copy_rows_to_halves(
     }
 }
 
+/// Where a GEMM of bf16 operands reads an operand: f32 slots (each element rounded to bf16 as
+/// it is packed), or bf16 stored in 2 bytes an element (`Program::is_two_byte`: packed as the
+/// halves they are).
+#[derive(Clone, Copy, Debug)]
+pub enum Src {
+    F32(*const f32),
+    Halves(*const u16),
+}
+
+// SAFETY: a `Src` only carries the operand's address, which the tasks only read.
+unsafe impl Sync for Src {}
+unsafe impl Send for Src {}
+
+impl Src {
+    /// Element `i` as the f32 it holds (not rounded).
+    ///
+    /// # Safety
+    /// Element `i` readable.
+    pub unsafe fn get(self, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Src::F32(x) => *x.add(i),
+                Src::Halves(x) => widen(x, i),
+            }
+        }
+    }
+
+    /// The operand from its element `i` on.
+    pub fn at(self, i: usize) -> Src {
+        match self {
+            Src::F32(x) => Src::F32(x.wrapping_add(i)),
+            Src::Halves(x) => Src::Halves(x.wrapping_add(i)),
+        }
+    }
+
+    /// Element `i` of an operand stored in 2 bytes (`None` for f32 slots).
+    pub fn halves_at(self, i: usize) -> Option<*const u16> {
+        match self {
+            Src::F32(_) => None,
+            Src::Halves(x) => Some(x.wrapping_add(i)),
+        }
+    }
+}
+
 /// Element `i` of a bf16 value stored in 2 bytes (`Program::is_two_byte`), as the f32 it is.
 ///
 /// # Safety

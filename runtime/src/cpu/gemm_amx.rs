@@ -23,7 +23,7 @@
 //! its first tile instruction and releases the tiles after its last, so a thread that is not
 //! in a GEMM carries no tile state.
 
-use super::bf16_pack::{self, neighbours, pair};
+use super::bf16_pack::{self, neighbours, pair, Src};
 use super::gemm::Layout;
 use std::sync::OnceLock;
 
@@ -58,11 +58,12 @@ pub fn padded_pairs(k: usize) -> usize {
 /// Packs `height` rows of A (from `a`, under `la`) into `out`, chunk-major: chunk (row tile
 /// t, pair chunk c) is 16 rows x 16 pairs, contiguous, at `(t * chunks + c) * 256`; pairs past
 /// k's are zero, rows past `height` zero or left as they are (they only feed rows of C that
-/// are never stored). `out` holds whole row tiles.
+/// are never stored). `out` holds whole row tiles. An A in f32 slots is rounded to bf16 as it
+/// is packed; one stored in 2 bytes is packed as the halves it is.
 ///
 /// # Safety
 /// `a` must address every element of `height` rows x `k` columns under `la`; AVX-512F.
-pub unsafe fn pack_a(a: *const f32, la: Layout, height: usize, k: usize, out: &mut [u32]) {
+pub unsafe fn pack_a(a: Src, la: Layout, height: usize, k: usize, out: &mut [u32]) {
     let chunks = padded_pairs(k) / TILE_PAIRS;
     let pairs = k.div_ceil(2);
     let chunk_len = TILE_ROWS * TILE_PAIRS;
@@ -78,97 +79,29 @@ pub unsafe fn pack_a(a: *const f32, la: Layout, height: usize, k: usize, out: &m
     }
     let mut row_pairs = vec![0u32; chunks * TILE_PAIRS];
     for r in 0..height {
-        if la.col_stride == 1 {
-            // SAFETY: row r holds k elements (the caller's contract).
-            let row = unsafe { std::slice::from_raw_parts(a.add(r * la.row_stride), k) };
-            neighbours(row, &mut row_pairs, 1);
-        } else {
-            for (p, lane) in row_pairs.iter_mut().enumerate().take(pairs) {
-                let at = |kk: usize| {
-                    // SAFETY: (r, kk) is inside A (the caller's contract).
-                    (kk < k).then(|| unsafe { *a.add(r * la.row_stride + kk * la.col_stride) })
-                };
-                *lane = pair(at(2 * p).unwrap_or(0.0), at(2 * p + 1).unwrap_or(0.0));
+        match a {
+            Src::F32(a) if la.col_stride == 1 => {
+                // SAFETY: row r holds k elements (the caller's contract).
+                let row = unsafe { std::slice::from_raw_parts(a.add(r * la.row_stride), k) };
+                neighbours(row, &mut row_pairs, 1);
             }
-        }
-        let (t, lane) = (r / TILE_ROWS, r % TILE_ROWS);
-        for (c, chunk) in row_pairs.chunks(TILE_PAIRS).enumerate() {
-            out[chunk_at(t, c) + lane * TILE_PAIRS..][..TILE_PAIRS].copy_from_slice(chunk);
-        }
-    }
-}
-
-/// `pack_a` of an A stored in 2 bytes (`Program::is_two_byte`): the same chunks, its pairs
-/// read as the halves they are (no rounding: they are bf16 already).
-///
-/// # Safety
-/// `a` must address every element of `height` rows x `k` columns under `la` (in halves).
-pub unsafe fn pack_a_halves(a: *const u16, la: Layout, height: usize, k: usize, out: &mut [u32]) {
-    let chunks = padded_pairs(k) / TILE_PAIRS;
-    let pairs = k.div_ceil(2);
-    let chunk_len = TILE_ROWS * TILE_PAIRS;
-    assert!(out.len() >= height.div_ceil(TILE_ROWS) * chunks * chunk_len);
-    let chunk_at = |t: usize, c: usize| (t * chunks + c) * chunk_len;
-    if la.row_stride == 1 && la.col_stride != 1 {
-        // SAFETY: the caller's contract; `out` holds every chunk (asserted).
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            pack_a_columns_halves(a, la, height, k, 0..chunks, out.as_mut_ptr())
-        };
-        return;
-    }
-    let mut row_pairs = vec![0u32; chunks * TILE_PAIRS];
-    for r in 0..height {
-        if la.col_stride == 1 {
-            // SAFETY: row r holds k halves (the caller's contract); `row_pairs` holds its
-            // pairs.
-            unsafe {
+            // SAFETY: row r holds k halves (the caller's contract); `row_pairs` its pairs.
+            Src::Halves(a) if la.col_stride == 1 => unsafe {
                 bf16_pack::row_pairs_halves(a.add(r * la.row_stride), k, row_pairs.as_mut_ptr(), 1)
-            };
-        } else {
-            for (p, lane) in row_pairs.iter_mut().enumerate().take(pairs) {
-                let at = |kk: usize| {
-                    // SAFETY: (r, kk) is inside A (the caller's contract).
-                    (kk < k).then(|| unsafe { *a.add(r * la.row_stride + kk * la.col_stride) })
-                };
-                *lane = at(2 * p).unwrap_or(0) as u32 | (at(2 * p + 1).unwrap_or(0) as u32) << 16;
+            },
+            _ => {
+                for (p, lane) in row_pairs.iter_mut().enumerate().take(pairs) {
+                    let at = |kk: usize| {
+                        // SAFETY: (r, kk) is inside A (the caller's contract).
+                        (kk < k).then(|| unsafe { a.get(r * la.row_stride + kk * la.col_stride) })
+                    };
+                    *lane = pair(at(2 * p).unwrap_or(0.0), at(2 * p + 1).unwrap_or(0.0));
+                }
             }
         }
         let (t, lane) = (r / TILE_ROWS, r % TILE_ROWS);
         for (c, chunk) in row_pairs.chunks(TILE_PAIRS).enumerate() {
             out[chunk_at(t, c) + lane * TILE_PAIRS..][..TILE_PAIRS].copy_from_slice(chunk);
-        }
-    }
-}
-
-/// `pack_a_columns` of a transposed A stored in 2 bytes.
-///
-/// # Safety
-/// As `pack_a_columns`'s, `a` in halves.
-#[cfg(target_arch = "x86_64")]
-pub unsafe fn pack_a_columns_halves(
-    a: *const u16,
-    la: Layout,
-    m: usize,
-    k: usize,
-    chunks: std::ops::Range<usize>,
-    out: *mut u32,
-) {
-    let all = padded_pairs(k) / TILE_PAIRS;
-    for c in chunks {
-        for t in 0..m.div_ceil(TILE_ROWS) {
-            // SAFETY: as `pack_a_columns`.
-            unsafe {
-                bf16_pack::columns_to_rows_halves(
-                    a.add(t * TILE_ROWS),
-                    la.col_stride,
-                    k,
-                    c * TILE_PAIRS,
-                    (m - t * TILE_ROWS).min(TILE_ROWS),
-                    out.add((t * all + c) * TILE_ROWS * TILE_PAIRS),
-                    TILE_PAIRS,
-                )
-            };
         }
     }
 }
@@ -184,7 +117,7 @@ pub unsafe fn pack_a_columns_halves(
 /// `a` must address `m` rows x `k` columns under `la`; `out` every chunk named; AVX-512F.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn pack_a_columns(
-    a: *const f32,
+    a: Src,
     la: Layout,
     m: usize,
     k: usize,
@@ -194,18 +127,33 @@ pub unsafe fn pack_a_columns(
     let all = padded_pairs(k) / TILE_PAIRS;
     for c in chunks {
         for t in 0..m.div_ceil(TILE_ROWS) {
+            let (rows, to) = (
+                (m - t * TILE_ROWS).min(TILE_ROWS),
+                out.wrapping_add((t * all + c) * TILE_ROWS * TILE_PAIRS),
+            );
             // SAFETY: the tile's live rows of every column < k are inside A, the chunk's 16 rows
             // of 16 lanes inside `out` (the caller's contract).
             unsafe {
-                bf16_pack::columns_to_rows(
-                    a.add(t * TILE_ROWS),
-                    la.col_stride,
-                    k,
-                    c * TILE_PAIRS,
-                    (m - t * TILE_ROWS).min(TILE_ROWS),
-                    out.add((t * all + c) * TILE_ROWS * TILE_PAIRS),
-                    TILE_PAIRS,
-                )
+                match a {
+                    Src::F32(a) => bf16_pack::columns_to_rows(
+                        a.add(t * TILE_ROWS),
+                        la.col_stride,
+                        k,
+                        c * TILE_PAIRS,
+                        rows,
+                        to,
+                        TILE_PAIRS,
+                    ),
+                    Src::Halves(a) => bf16_pack::columns_to_rows_halves(
+                        a.add(t * TILE_ROWS),
+                        la.col_stride,
+                        k,
+                        c * TILE_PAIRS,
+                        rows,
+                        to,
+                        TILE_PAIRS,
+                    ),
+                }
             };
         }
     }

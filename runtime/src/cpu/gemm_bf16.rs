@@ -20,6 +20,7 @@
 //! Tiles: 12 rows x 32 columns of C in 24 registers; B is packed once per call into 32-column
 //! panels of k pairs (a panel of `k` = 1536 is 96 KiB, in L2), A per task into row pairs.
 
+pub use super::bf16_pack::Src;
 use super::bf16_pack::{self, neighbours, pair, side_by_side};
 use super::gemm::Layout;
 use super::gemm_amx::{self, BLOCK_COLS, BLOCK_ROWS, TILE_PAIRS};
@@ -118,43 +119,6 @@ impl COut {
     }
 }
 
-/// Where a GEMM of bf16 operands reads an operand: f32 slots (each element rounded to bf16 as
-/// it is packed), or bf16 stored in 2 bytes an element (`Program::is_two_byte`: packed as the
-/// halves they are).
-#[derive(Clone, Copy, Debug)]
-pub enum Src {
-    F32(*const f32),
-    Halves(*const u16),
-}
-
-// SAFETY: a `Src` only carries the operand's address, which the tasks only read.
-unsafe impl Sync for Src {}
-unsafe impl Send for Src {}
-
-impl Src {
-    /// Element `i` as the f32 it holds (not rounded).
-    ///
-    /// # Safety
-    /// Element `i` readable.
-    unsafe fn get(self, i: usize) -> f32 {
-        // SAFETY: the caller's contract.
-        unsafe {
-            match self {
-                Src::F32(x) => *x.add(i),
-                Src::Halves(x) => bf16_pack::widen(x, i),
-            }
-        }
-    }
-
-    /// Element `i` of an operand stored in 2 bytes (`None` for f32 slots).
-    fn halves_at(self, i: usize) -> Option<*const u16> {
-        match self {
-            Src::F32(_) => None,
-            Src::Halves(x) => Some(x.wrapping_add(i)),
-        }
-    }
-}
-
 /// `C = A @ B` over `batch` matrices (see the module's contract).
 ///
 /// # Safety
@@ -243,73 +207,7 @@ pub unsafe fn gemm_bf16_to(
         Src::F32(b) => b as *mut f32,
         Src::Halves(_) => std::ptr::null_mut(),
     });
-    if let (Src::Halves(_), 1) = (b, lb.col_stride) {
-        // Row-major B stored in 2 bytes: as the f32 rows below, each pair row from two rows'
-        // halves side by side.
-        let groups = pairs.div_ceil(PAIRS_PER_PACKING_TASK);
-        run(b_batches * groups, &|t| {
-            let (bi, group) = (t / groups, t % groups);
-            let first = group * PAIRS_PER_PACKING_TASK;
-            for p in first..(first + PAIRS_PER_PACKING_TASK).min(pairs) {
-                let row = |kk: usize| b.halves_at(bi * lb.batch_stride + kk * lb.row_stride);
-                let (r0, r1) = (row(2 * p), row(2 * p + 1).filter(|_| 2 * p + 1 < k));
-                for panel in 0..panels {
-                    let (from, cols) = (panel * NR, (n - panel * NR).min(NR));
-                    // SAFETY: task t alone writes pair row p of batch bi's panels; rows 2p and
-                    // 2p + 1 (when < k) of batch bi's B hold n halves (caller's contract).
-                    unsafe {
-                        let out = std::slice::from_raw_parts_mut(
-                            pb.at((bi * panels + panel) * panel_len + p * NR),
-                            cols,
-                        );
-                        bf16_pack::interleave_halves(
-                            r0.expect("B in halves").add(from),
-                            r1.map(|r1| r1.add(from)),
-                            out,
-                        );
-                    }
-                }
-            }
-            if group + 1 == groups {
-                for panel in 0..panels {
-                    let base = (bi * panels + panel) * panel_len;
-                    // SAFETY: the padding rows of batch bi's panels are this task's alone.
-                    let padding = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            pb.at(base + pairs * NR),
-                            panel_len - pairs * NR,
-                        )
-                    };
-                    padding.fill(0);
-                }
-            }
-        });
-    } else if let Src::Halves(_) = b {
-        // Any other B stored in 2 bytes, element by element (the lowering stores in 2 bytes
-        // the values whose readers read them row-major; this keeps every layout correct).
-        run(b_batches * panels, &|t| {
-            let (bi, panel) = (t / panels, t % panels);
-            let at = |kk: usize, j: usize| -> f32 {
-                if kk < k && j < n {
-                    // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
-                    unsafe { b.get(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
-                } else {
-                    0.0
-                }
-            };
-            let base = (bi * panels + panel) * panel_len;
-            // SAFETY: task t alone writes panel `panel` of batch `bi`, `panel_len` lanes.
-            let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
-            let cols = (n - panel * NR).min(NR);
-            for p in 0..pairs {
-                for lane in 0..cols {
-                    let j = panel * NR + lane;
-                    dst[p * NR + lane] = pair(at(2 * p, j), at(2 * p + 1, j));
-                }
-            }
-            dst[pairs * NR..].fill(0);
-        });
-    } else if lb.col_stride == 1 {
+    if lb.col_stride == 1 {
         // Row-major B: a task packs a range of pair rows across every panel, reading B's rows
         // in memory order. (A task per panel walked a 128-byte strip of each row, rows `2n`
         // floats apart, which the prefetchers do not follow: its first loads waited on memory.)
@@ -318,30 +216,36 @@ pub unsafe fn gemm_bf16_to(
             let (bi, group) = (t / groups, t % groups);
             let first = group * PAIRS_PER_PACKING_TASK;
             for p in first..(first + PAIRS_PER_PACKING_TASK).min(pairs) {
-                let row = |kk: usize| {
-                    // SAFETY: row kk < k of batch bi's B holds n elements (caller's contract).
-                    unsafe {
-                        std::slice::from_raw_parts(
-                            bp.at(bi * lb.batch_stride + kk * lb.row_stride),
-                            n,
-                        )
-                    }
-                };
+                // Rows 2p and 2p + 1 (when < k) of batch bi's B, n elements each (the
+                // caller's contract).
+                let row = |kk: usize| b.at(bi * lb.batch_stride + kk * lb.row_stride);
                 let (r0, r1) = (row(2 * p), (2 * p + 1 < k).then(|| row(2 * p + 1)));
                 for panel in 0..panels {
                     let (from, cols) = (panel * NR, (n - panel * NR).min(NR));
-                    // SAFETY: task t alone writes pair row p of batch bi's panels.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(
+                    // SAFETY: task t alone writes pair row p of batch bi's panels; the rows
+                    // hold columns from..from + cols.
+                    unsafe {
+                        let out = std::slice::from_raw_parts_mut(
                             pb.at((bi * panels + panel) * panel_len + p * NR),
                             cols,
-                        )
-                    };
-                    side_by_side(
-                        &r0[from..from + cols],
-                        r1.map(|r1| &r1[from..from + cols]),
-                        out,
-                    );
+                        );
+                        match (r0.at(from), r1.map(|r1| r1.at(from))) {
+                            (Src::F32(x0), x1) => side_by_side(
+                                std::slice::from_raw_parts(x0, cols),
+                                x1.map(|x1| match x1 {
+                                    Src::F32(x1) => std::slice::from_raw_parts(x1, cols),
+                                    Src::Halves(_) => unreachable!("one operand, one storage"),
+                                }),
+                                out,
+                            ),
+                            // Stored in 2 bytes: the two rows' halves side by side.
+                            (x0, x1) => bf16_pack::interleave_halves(
+                                x0.halves_at(0).expect("one operand, one storage"),
+                                x1.and_then(|x1| x1.halves_at(0)),
+                                out,
+                            ),
+                        }
+                    }
                 }
             }
             if group + 1 == groups {
@@ -364,7 +268,7 @@ pub unsafe fn gemm_bf16_to(
             let at = |kk: usize, j: usize| -> f32 {
                 if kk < k && j < n {
                     // SAFETY: (kk, j) is inside batch bi's B (caller's contract).
-                    unsafe { *bp.at(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
+                    unsafe { b.get(bi * lb.batch_stride + kk * lb.row_stride + j * lb.col_stride) }
                 } else {
                     0.0
                 }
@@ -374,8 +278,10 @@ pub unsafe fn gemm_bf16_to(
             let dst = unsafe { std::slice::from_raw_parts_mut(pb.at(base), panel_len) };
             let cols = (n - panel * NR).min(NR);
             let origin = bi * lb.batch_stride + panel * NR * lb.col_stride;
-            // Read B in its memory order: down columns when B is transposed.
-            if lb.row_stride == 1 {
+            // Read B in its memory order: down columns when B is transposed (in f32 slots; one
+            // stored in 2 bytes goes element by element below: the lowering stores in 2 bytes
+            // values read row-major, and this keeps every other layout correct).
+            if let (Src::F32(_), 1) = (b, lb.row_stride) {
                 // Transposed B: each column's k elements are neighbours; 16 columns x 16 pairs at
                 // a time turn into the panel's rows.
                 #[cfg(target_arch = "x86_64")]
@@ -443,14 +349,14 @@ pub unsafe fn gemm_bf16_to(
             // inside A (the caller's contract); `available()`.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                let chunks = first..(first + CHUNKS_PER_PACKING_TASK).min(chunks);
-                let out = pa.at(bi * a_blocks * a_block_len);
-                match a.halves_at(bi * la.batch_stride) {
-                    Some(halves) => gemm_amx::pack_a_columns_halves(halves, la, m, k, chunks, out),
-                    None => {
-                        gemm_amx::pack_a_columns(ap.at(bi * la.batch_stride), la, m, k, chunks, out)
-                    }
-                }
+                gemm_amx::pack_a_columns(
+                    a.at(bi * la.batch_stride),
+                    la,
+                    m,
+                    k,
+                    first..(first + CHUNKS_PER_PACKING_TASK).min(chunks),
+                    pa.at(bi * a_blocks * a_block_len),
+                )
             };
         });
     } else if amx {
@@ -462,14 +368,13 @@ pub unsafe fn gemm_bf16_to(
             // bi's A are inside A (the caller's contract); `available()`.
             unsafe {
                 let out = std::slice::from_raw_parts_mut(pa.at(t * a_block_len), a_block_len);
-                let (origin, height) = (
-                    bi * la.batch_stride + first * la.row_stride,
+                gemm_amx::pack_a(
+                    a.at(bi * la.batch_stride + first * la.row_stride),
+                    la,
                     (m - first).min(BLOCK_ROWS),
+                    k,
+                    out,
                 );
-                match a.halves_at(origin) {
-                    Some(halves) => gemm_amx::pack_a_halves(halves, la, height, k, out),
-                    None => gemm_amx::pack_a(ap.at(origin), la, height, k, out),
-                }
             }
         });
     }

@@ -323,11 +323,8 @@ shape {:?} strides {:?}",
         // widened into one.
         // SAFETY: the views lie inside the arena (as above).
         let copy = |src: Operand, l: Layout, round: bool, rows: usize, cols: usize| unsafe {
-            match src {
-                Operand::Halves(h) => Some(widened_copy(h, l, batch, rows, cols)),
-                Operand::F32(p) if bf16 && round => Some(rounded_copy(p, l, batch, rows, cols)),
-                Operand::F32(_) => None,
-            }
+            let copied = matches!(src, Operand::Halves(_)) || (bf16 && round);
+            copied.then(|| rounded_copy(src, l, batch, rows, cols))
         };
         let (a_copy, b_copy) = (
             copy(sa, la, rounding.a, m, k),
@@ -783,48 +780,17 @@ fn for_each_row(
 }
 
 /// A matmul operand in the arena: f32 slots, or bf16 stored in 2 bytes.
-type Operand = gemm_bf16::Src;
+type Operand = bf16_pack::Src;
 
-/// The `[batch, rows, cols]` operand stored in 2 bytes at `h` read through `layout` (in
-/// halves), widened into a contiguous f32 copy (one matrix where the batch stride is 0), with
-/// the copy's layout: what the f32 GEMM reads.
-///
-/// # Safety
-/// `h` must address every element `layout` names for that shape.
-unsafe fn widened_copy(
-    h: *const u16,
-    layout: Layout,
-    batch: usize,
-    rows: usize,
-    cols: usize,
-) -> (Vec<f32>, Layout) {
-    let batches = if layout.batch_stride == 0 { 1 } else { batch };
-    let mut copy = Vec::with_capacity(batches * rows * cols);
-    for bi in 0..batches {
-        for i in 0..rows {
-            for j in 0..cols {
-                let at = bi * layout.batch_stride + i * layout.row_stride + j * layout.col_stride;
-                // SAFETY: (bi, i, j) is inside the operand (the caller's contract).
-                copy.push(unsafe { bf16_pack::widen(h, at) });
-            }
-        }
-    }
-    let copied = Layout {
-        batch_stride: if batches == 1 { 0 } else { rows * cols },
-        row_stride: cols,
-        col_stride: 1,
-    };
-    (copy, copied)
-}
-
-/// The `[batch, rows, cols]` operand at `p` read through `layout`, rounded to bf16 into a
-/// contiguous copy (one matrix where the batch stride is 0, as the operand shares it), with the
-/// copy's layout.
+/// The `[batch, rows, cols]` operand at `p` read through `layout`, rounded to bf16 (the identity
+/// on the halves of a value stored in 2 bytes, which this widens) into a contiguous f32 copy
+/// (one matrix where the batch stride is 0, as the operand shares it), with the copy's layout:
+/// what the f32 GEMM reads for a bf16 product.
 ///
 /// # Safety
 /// `p` must address every element `layout` names for that shape.
 unsafe fn rounded_copy(
-    p: *const f32,
+    p: Operand,
     layout: Layout,
     batch: usize,
     rows: usize,
@@ -837,9 +803,7 @@ unsafe fn rounded_copy(
             for j in 0..cols {
                 let at = bi * layout.batch_stride + i * layout.row_stride + j * layout.col_stride;
                 // SAFETY: (bi, i, j) is inside the operand (the caller's contract).
-                copy.push(graphtrain_ir::host_tensor::round_bf16(unsafe {
-                    *p.add(at)
-                }));
+                copy.push(graphtrain_ir::host_tensor::round_bf16(unsafe { p.get(at) }));
             }
         }
     }

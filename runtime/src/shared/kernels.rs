@@ -536,19 +536,9 @@ fn map_store_slots<N: Size>(
     #[comptime] modes: u32,
     #[comptime] expr: Expr,
 ) {
-    let w = args.w;
-    let base = args.base;
     let span = unit_span(len, 1);
-    // Row and column of vector `start` in rows of `l` elements, then kept up to date as `i`
-    // advances by one vector (`l % w == 0`).
     let rowed = comptime!(modes & ON_ROW_BITS != 0);
-    let mut row = 0;
-    let mut col = 0;
-    if comptime!(rowed) {
-        let pos = base + span.start * w;
-        row = pos / l;
-        col = pos % l;
-    }
+    let mut at = position_of(span.start, args, l, rowed);
     for i in span.start..span.end {
         y[out + i] = eval::<N>(
             x0,
@@ -559,17 +549,44 @@ fn map_store_slots<N: Size>(
             x5,
             args,
             i,
-            row,
-            col,
+            at.row,
+            at.col,
             modes,
             expr.clone(),
         );
-        if comptime!(rowed) {
-            col += w;
-            if col == l {
-                col = 0;
-                row += 1;
-            }
+        advance(&mut at, args, l, rowed);
+    }
+}
+
+/// Where output vector `i` lies in rows of the launch's row length `l`: what on-row inputs
+/// read (`ON_ROW_SHIFT`). Zeros where no input is on-row (`rowed` false).
+#[derive(CubeType, Clone, Copy)]
+struct Position {
+    row: usize,
+    col: usize,
+}
+
+/// The position of output vector `first`.
+#[cube]
+fn position_of(first: usize, args: &MapArgs, l: usize, #[comptime] rowed: bool) -> Position {
+    let mut row = 0;
+    let mut col = 0;
+    if comptime!(rowed) {
+        let pos = args.base + first * args.w;
+        row = pos / l;
+        col = pos % l;
+    }
+    Position { row, col }
+}
+
+/// Moves `at` to the next vector (`l % w == 0`, so a vector never straddles two rows).
+#[cube]
+fn advance(at: &mut Position, args: &MapArgs, l: usize, #[comptime] rowed: bool) {
+    if comptime!(rowed) {
+        at.col += args.w;
+        if at.col == l {
+            at.col = 0;
+            at.row += 1;
         }
     }
 }
@@ -596,17 +613,9 @@ fn map_store_halves<N: Size>(
     #[comptime] modes: u32,
     #[comptime] expr: Expr,
 ) {
-    let w = args.w;
-    let base = args.base;
     let span = unit_span(len, 2);
     let rowed = comptime!(modes & ON_ROW_BITS != 0);
-    let mut row = 0;
-    let mut col = 0;
-    if comptime!(rowed) {
-        let pos = base + span.start * w;
-        row = pos / l;
-        col = pos % l;
-    }
+    let mut at = position_of(span.start, args, l, rowed);
     let mut i = span.start;
     while i < span.end {
         let first = eval::<N>(
@@ -618,18 +627,12 @@ fn map_store_halves<N: Size>(
             x5,
             args,
             i,
-            row,
-            col,
+            at.row,
+            at.col,
             modes,
             expr.clone(),
         );
-        if comptime!(rowed) {
-            col += w;
-            if col == l {
-                col = 0;
-                row += 1;
-            }
-        }
+        advance(&mut at, args, l, rowed);
         let second = eval::<N>(
             x0,
             x1,
@@ -639,18 +642,12 @@ fn map_store_halves<N: Size>(
             x5,
             args,
             i + 1,
-            row,
-            col,
+            at.row,
+            at.col,
             modes,
             expr.clone(),
         );
-        if comptime!(rowed) {
-            col += w;
-            if col == l {
-                col = 0;
-                row += 1;
-            }
-        }
+        advance(&mut at, args, l, rowed);
         y[out + (i >> 1)] = halves_of::<N>(first, second);
         i += 2;
     }
