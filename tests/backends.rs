@@ -1294,8 +1294,8 @@ fn bf16_matmuls_on_cpu_round_their_f32_sums() {
 }
 
 /// bf16 values stored in 2 bytes an element on cpu (`Program::store_bf16_in_two_bytes`): GEMMs
-/// and maps write halves, maps, a fused row sum and cross-entropy (as logits) widen them as
-/// they read, and GEMMs pack them as operands (row-major and transposed A, row-major B). With
+/// and maps write halves, maps, a fused row sum, rope (both layouts) and cross-entropy (as
+/// logits) widen them as they read, and GEMMs pack them as operands (row-major and transposed A, row-major B). With
 /// every GEMM kernel, eager,
 /// fused and replayed, the results are bit for bit those of the same Program with every value
 /// in a 4-byte slot, and within a bf16 step of the interpreter.
@@ -1308,6 +1308,7 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
   input %d: f32[48,16]
   input %e: f32[2,8,24]
   input %h: f32[40,48]
+  input %w: f32[40,48]
   input %t: i32[48]
   input %g: f32[]
   %3: bf16[2,24,40] = cast(%a, dtype=bf16)
@@ -1333,6 +1334,12 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
   %24: f32[48,48] = reshape(%21, shape=[48,48])
   %22: f32[] = cross_entropy(%24, %t)
   %23: f32[48,48] = cross_entropy_backward(%24, %t, %g)
+  %28: bf16[40,48] = cast(%w, dtype=bf16)
+  %26: bf16[2,24,48] = matmul(%3, %28)
+  %29: f32[2,24,48] = cast(%26, dtype=f32)
+  %30: f32[2,24,4,12] = reshape(%29, shape=[2,24,4,12])
+  %31: f32[2,24,4,12] = rope(%30, theta=10000.0, layout=half, inverse=false)
+  %32: f32[2,24,4,12] = rope(%30, theta=10000.0, layout=interleaved, inverse=true)
   output y = %7
   output s = %8
   output q = %10
@@ -1340,6 +1347,8 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
   output t = %19
   output ce = %22
   output dce = %23
+  output rh = %31
+  output ri = %32
 }";
     let g = text::parse(src).unwrap();
     graphtrain_ir::verify::verify(&g).unwrap();

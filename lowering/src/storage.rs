@@ -13,12 +13,13 @@
 //!   bf16 value written by one step, a `Matmul` (its bf16-rounded result) or a `Map` whose
 //!   expression ends in `RoundBf16`, and read only by `Map` and `MapReduce` steps, whole
 //!   (`Access::Full`), by `Matmul`s as an operand (through any view: the GEMM packs pairs of
-//!   halves as it packs pairs of rounded floats), and by cross-entropy and its gradient as
-//!   logits (widened a row at a time), with a length that is a whole number of
+//!   halves as it packs pairs of rounded floats), by rope (widened a head at a time) and by
+//!   cross-entropy and its gradient as logits (a row at a time), with a length that is a whole
+//!   number of
 //!   `2 * BROADCAST_ALIGN` elements (the map kernel's vectors, in pairs);
 //! - declines every other value, which stays in an f32 slot: graph inputs and outputs (the
-//!   host reads and writes those as f32), constants, values read by layout steps, attention
-//!   or rope, broadcast reads, collectives' operands and results, and offloaded
+//!   host reads and writes those as f32), constants, values read by layout steps or
+//!   attention, broadcast reads, collectives' operands and results, and offloaded
 //!   values. Widening the set means teaching those steps halves.
 //!
 //! Why: a bf16 product written into f32 slots moves twice the bytes it holds, and the step's
@@ -107,7 +108,8 @@ fn two_byte_values(p: &Program) -> Vec<bool> {
                     }
                 }
             }
-            Step::Matmul { .. } => {}
+            // Operands of any view; rope's input head by head, widened.
+            Step::Matmul { .. } | Step::Rope { .. } => {}
             // The logits, widened row by row; the targets are integers.
             Step::CrossEntropy { targets, .. } | Step::CrossEntropyBackward { targets, .. } => {
                 candidate[targets.base.index()] = false;

@@ -118,7 +118,8 @@ pub fn simulate(
     let rates = Rates::new(hw, links, world);
     let bandwidth = rates.bandwidth();
     let flop_rate = |dtype: DType, efficiency: f64| rates.flop_rate(dtype, efficiency);
-    let bytes = |v: ValueId| (g.ty(v).numel() * 4) as f64;
+    // What each value's buffer holds: 4 bytes an element, 2 for bf16 values stored so.
+    let bytes = |v: ValueId| program.value_bytes(v) as f64;
     let launch = hw.launch_us * 1e-6;
 
     let mut p = Prediction {

@@ -651,10 +651,14 @@ shape {:?} strides {:?}",
                 };
                 let mut strides = [0; 4];
                 strides.copy_from_slice(&x.strides);
+                // In halves where the input is stored in 2 bytes: the view counts halves.
+                let halves = self.program.is_two_byte(x.base);
+                let slot = self.off(x.base);
                 let input = rope::Input {
-                    offset: self.off(x.base) + x.offset,
+                    offset: if halves { 2 * slot } else { slot } + x.offset,
                     shape: [b, sq, h, d],
                     strides,
+                    halves,
                 };
                 let out = self.off(*out);
                 let key = Tables::key(*theta, sq, d, *inverse);

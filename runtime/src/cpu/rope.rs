@@ -10,12 +10,14 @@ use super::pool::{Pool, TaskPtr};
 use crate::shared::rope_tables::Tables;
 use graphtrain_ir::RopeLayout;
 
-/// A rank-4 `[B, S, H, D]` input: element offset and strides.
+/// A rank-4 `[B, S, H, D]` input: element offset and strides, in 4-byte slots, or in 2-byte
+/// halves where `halves` (bf16 stored in 2 bytes, `Program::is_two_byte`).
 #[derive(Clone, Copy, Debug)]
 pub struct Input {
     pub offset: usize,
     pub shape: [usize; 4],
     pub strides: [usize; 4],
+    pub halves: bool,
 }
 
 /// One head of the `Half` layout with contiguous elements: the same products and sums as the
@@ -32,6 +34,19 @@ fn rotate_halves(x: &[f32], out: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// One contiguous head in either layout.
+#[inline(always)]
+fn rotate(x: &[f32], out: &mut [f32], cos: &[f32], sin: &[f32], layout: RopeLayout) {
+    if layout == RopeLayout::Half {
+        return rotate_halves(x, out, cos, sin);
+    }
+    for i in 0..cos.len() {
+        let (x1, x2) = (x[2 * i], x[2 * i + 1]);
+        out[2 * i] = x1 * cos[i] - x2 * sin[i];
+        out[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+    }
+}
+
 /// `out` (contiguous `[B, S, H, D]` at element offset `out`) = rope of `x`.
 ///
 /// # Safety
@@ -45,6 +60,9 @@ pub unsafe fn apply(base: *mut f32, x: Input, out: usize, layout: RopeLayout, t:
     let pool = Pool::current();
     let tasks = (pool.width() * 4).min(rows.max(1));
     pool.run(tasks, &|task| {
+        // A head stored in 2 bytes, widened: read from memory at half the bytes, rotated from
+        // here as a contiguous head.
+        let mut widened = vec![0f32; if x.halves { d } else { 0 }];
         for row in rows * task / tasks..rows * (task + 1) / tasks {
             let (bi, pos) = (row / s, row % s);
             let (cos, sin) = (
@@ -54,6 +72,18 @@ pub unsafe fn apply(base: *mut f32, x: Input, out: usize, layout: RopeLayout, t:
             for hi in 0..h {
                 let src = x.offset + bi * x.strides[0] + pos * x.strides[1] + hi * x.strides[2];
                 let dst = out + (row * h + hi) * d;
+                if x.halves {
+                    let head = (arena.0 as *const u16).wrapping_add(src);
+                    for (j, w) in widened.iter_mut().enumerate() {
+                        // SAFETY: the head's `d` elements are in the arena (the caller's
+                        // contract).
+                        *w = unsafe { super::bf16_pack::widen(head, j * x.strides[3]) };
+                    }
+                    // SAFETY: as below.
+                    let os = unsafe { std::slice::from_raw_parts_mut(arena.at(dst), d) };
+                    rotate(&widened, os, cos, sin, layout);
+                    continue;
+                }
                 if layout == RopeLayout::Half && x.strides[3] == 1 {
                     // SAFETY: in the arena by the caller's contract, input and output apart;
                     // rows are split between tasks.

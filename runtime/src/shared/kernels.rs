@@ -100,14 +100,14 @@ pub const GUARD_OPS: u32 = 1 << 30;
 /// Bit of `modes` saying that input `k` (read whole, `MODE_FULL`) is stored as bf16 in 2 bytes
 /// an element (`Program::is_two_byte`); its offset is then in 4-byte slots, not vectors. The
 /// bits lie where the other fields leave room.
-pub const fn halves_bit(k: usize) -> u32 {
+pub const fn two_byte_bit(k: usize) -> u32 {
     [1 << 12, 1 << 13, 1 << 14, 1 << 15, 1 << 22, 1 << 23][k]
 }
 
 /// Bit of `modes` saying that a map's output is stored as bf16 in 2 bytes an element: `out` is
 /// then in vectors of 4-byte slots, each unit takes whole pairs of vectors and stores each pair
 /// as one vector of slots.
-pub const OUT_HALVES: u32 = 1 << 28;
+pub const OUT_TWO_BYTE: u32 = 1 << 28;
 
 /// Bits of `modes` that make a map kernel reduce its expression instead of storing it
 /// (`Step::MapReduce`): a sum or a max over rows of `l` elements, `len` rows.
@@ -165,8 +165,8 @@ fn load<N: Size>(
     let o = pick(args.o0, args.o1, args.o2, args.o3, args.o4, args.o5, k);
     let mode = comptime!((modes >> (2 * k)) & 3);
     let on_row = comptime!((modes >> (ON_ROW_SHIFT + k)) & 1 == 1);
-    if comptime!(mode == MODE_FULL && modes & halves_bit(k as usize) != 0) {
-        load_halves::<N>(x0, x1, x2, x3, x4, x5, args, o, i, k)
+    if comptime!(mode == MODE_FULL && modes & two_byte_bit(k as usize) != 0) {
+        load_two_byte::<N>(x0, x1, x2, x3, x4, x5, args, o, i, k)
     } else if comptime!(mode == MODE_FULL) {
         read::<N>(x0, x1, x2, x3, x4, x5, o + i, k)
     } else if comptime!(mode == MODE_SCALAR) {
@@ -201,7 +201,7 @@ fn load<N: Size>(
 /// the high half of one vector of slots.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_halves<N: Size>(
+fn load_two_byte<N: Size>(
     x0: &mut [Vector<f32, N>],
     x1: &mut [Vector<f32, N>],
     x2: &mut [Vector<f32, N>],
@@ -511,8 +511,8 @@ fn map_store<N: Size>(
     #[comptime] modes: u32,
     #[comptime] expr: Expr,
 ) {
-    if comptime!(modes & OUT_HALVES != 0) {
-        map_store_halves::<N>(x0, x1, x2, x3, x4, x5, y, args, l, out, len, modes, expr);
+    if comptime!(modes & OUT_TWO_BYTE != 0) {
+        map_store_two_byte::<N>(x0, x1, x2, x3, x4, x5, y, args, l, out, len, modes, expr);
     } else {
         map_store_slots::<N>(x0, x1, x2, x3, x4, x5, y, args, l, out, len, modes, expr);
     }
@@ -591,14 +591,14 @@ fn advance(at: &mut Position, args: &MapArgs, l: usize, #[comptime] rowed: bool)
     }
 }
 
-/// `map_store` of bf16 values into 2-byte halves (`OUT_HALVES`): output vectors `i` and
+/// `map_store` of bf16 values into 2-byte halves (`OUT_TWO_BYTE`): output vectors `i` and
 /// `i + 1` (`len` is even) become vector `out + i / 2` of slots, each slot the halves of two
 /// neighbouring elements (the lower element in the low half), a NaN kept a NaN by its quiet
 /// bit. The expression's values are bf16 already (the lowering chooses only maps whose
 /// expression ends in `RoundBf16`), so keeping their high halves loses nothing.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn map_store_halves<N: Size>(
+fn map_store_two_byte<N: Size>(
     x0: &mut [Vector<f32, N>],
     x1: &mut [Vector<f32, N>],
     x2: &mut [Vector<f32, N>],
@@ -648,14 +648,14 @@ fn map_store_halves<N: Size>(
             expr.clone(),
         );
         advance(&mut at, args, l, rowed);
-        y[out + (i >> 1)] = halves_of::<N>(first, second);
+        y[out + (i >> 1)] = two_byte_slots::<N>(first, second);
         i += 2;
     }
 }
 
-/// The slots holding `first` then `second` as bf16 halves (see `map_store_halves`).
+/// The slots holding `first` then `second` as bf16 halves (see `map_store_two_byte`).
 #[cube]
-fn halves_of<N: Size>(first: Vector<f32, N>, second: Vector<f32, N>) -> Vector<f32, N> {
+fn two_byte_slots<N: Size>(first: Vector<f32, N>, second: Vector<f32, N>) -> Vector<f32, N> {
     let quiet = Vector::<u32, N>::new(4194304);
     let a = select_many(
         first.equal(&first),

@@ -5,8 +5,8 @@
 
 use crate::shared::kernel_call::KernelCall;
 use crate::shared::kernels::{
-    halves_bit, GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT,
-    OUT_HALVES, REDUCE_HALVES, REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
+    two_byte_bit, GUARD_OPS, MODE_FULL, MODE_INNER, MODE_OUTER, MODE_SCALAR, ON_ROW_SHIFT,
+    OUT_TWO_BYTE, REDUCE_HALVES, REDUCE_MAX, REDUCE_OUTER, REDUCE_SUM,
 };
 use crate::RuntimeError;
 use graphtrain_ir::ValueId;
@@ -136,9 +136,9 @@ impl Launches<'_> {
     ) -> Result<(), RuntimeError> {
         let (offs, params, mut modes, row_len, vectorizable) = self.map_modes(inputs);
         let out_off = self.program.elem_offset(out);
-        let out_halves = self.program.is_two_byte(out);
-        if out_halves {
-            modes |= OUT_HALVES;
+        let out_two_byte = self.program.is_two_byte(out);
+        if out_two_byte {
+            modes |= OUT_TWO_BYTE;
         }
         // Whole vectors first; the tail (len % self.grid.vector) with a width-1 launch of the same kernel.
         let body = if vectorizable {
@@ -154,7 +154,7 @@ impl Launches<'_> {
             // in 2 bytes: `start` is a whole number of vectors, so even); the others in
             // elements.
             let o = |k: usize| {
-                if modes & halves_bit(k) != 0 {
+                if modes & two_byte_bit(k) != 0 {
                     offs[k] + start / 2
                 } else if (modes >> (2 * k)) & 3 == MODE_FULL {
                     (offs[k] + start) / width
@@ -163,8 +163,8 @@ impl Launches<'_> {
                 }
             };
             // An output stored in 2 bytes is written a pair of vectors to one vector of slots
-            // (`map_store_halves`): the lowering chose it only with a length of whole pairs.
-            let out_vector = if out_halves {
+            // (`map_store_two_byte`): the lowering chose it only with a length of whole pairs.
+            let out_vector = if out_two_byte {
                 (out_off + start / 2) / width
             } else {
                 (out_off + start) / width
@@ -176,7 +176,7 @@ impl Launches<'_> {
                 [start, row_len, out_vector, count / width],
             ));
         };
-        if out_halves
+        if out_two_byte
             && (!len.is_multiple_of(2 * self.grid.vector)
                 || !out_off.is_multiple_of(self.grid.vector))
         {
@@ -241,7 +241,7 @@ of {}-lane vectors",
             modes |= REDUCE_OUTER;
         }
         let o = |k: usize| {
-            if modes & halves_bit(k) != 0 {
+            if modes & two_byte_bit(k) != 0 {
                 offs[k]
             } else if (modes >> (2 * k)) & 3 == MODE_FULL {
                 offs[k] / width
@@ -278,7 +278,7 @@ of {}-lane vectors",
             offs[k] = self.program.elem_offset(i.value);
             let mode = match i.access {
                 Access::Full if self.program.is_two_byte(i.value) => {
-                    modes |= halves_bit(k);
+                    modes |= two_byte_bit(k);
                     MODE_FULL
                 }
                 Access::Full => MODE_FULL,
