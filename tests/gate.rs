@@ -254,6 +254,62 @@ fn memory_passes_are_bitwise_identical_on_tiny() {
     }
 }
 
+/// `merge_matmuls` is tier 1: each block's `wq`/`wk`/`wv` and `w1`/`w3` as one matmul over
+/// their weights side by side (read in place by the fused lowering) trains bitwise as the
+/// separate matmuls, on the interpreter, on cpu (f32 on `tiny` and `peer`; bf16-mixed on `tiny`
+/// with every GEMM kernel, AMX tiles included where the cpu has them) and on the device
+/// backends.
+#[test]
+fn merged_sibling_matmuls_are_bitwise_identical() {
+    use graphtrain::ir::autocast::Precision;
+    use graphtrain::tuning::Tuning;
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let mut p = PipelineSpec::parse_list("default,merge_matmuls")
+        .unwrap()
+        .build(&Registry::builtin())
+        .unwrap();
+    p.verify_each = true;
+    // The pass merges in both precisions (a gate over a pass that declined would prove nothing):
+    // two groups in each of `tiny`'s two blocks.
+    for precision in [Precision::F32, Precision::Bf16Mixed] {
+        let optim = graphtrain::ir::optim::OptimConfig::default();
+        let step = graphtrain::trainer::build_step_in(&tiny, precision, &optim).unwrap();
+        let (_, records) = p.run(&step.step.graph).unwrap();
+        let merge = &records.last().unwrap().report;
+        assert!(
+            merge
+                .metrics
+                .contains(&("merge_matmuls.groups".to_string(), 4.0)),
+            "{precision:?}: {merge}"
+        );
+    }
+    check_pipeline(&tiny, &p, 5).unwrap();
+    for config in ["tiny", "peer"] {
+        check_pipeline_on(&Llama3Config::builtin(config).unwrap(), &p, 3, Backend::Cpu)
+            .unwrap_or_else(|e| panic!("{config} on cpu: {e}"));
+    }
+    for backend in graphtrain::gate::device_backends_for_tests() {
+        check_pipeline_on(&tiny, &p, 5, backend).unwrap_or_else(|e| panic!("on {backend}: {e}"));
+    }
+    for tuning in ["", "gemm=avx2", "gemm=avx512"] {
+        let tuning = if tuning.is_empty() {
+            Tuning::default()
+        } else {
+            Tuning::parse(tuning).unwrap()
+        };
+        check_pipeline_tuned(
+            &tiny,
+            &p,
+            3,
+            Backend::Cpu,
+            None,
+            &tuning,
+            Precision::Bf16Mixed,
+        )
+        .unwrap_or_else(|e| panic!("bf16-mixed with {tuning:?}: {e}"));
+    }
+}
+
 /// The gate's own checks: it holds the default pipeline to tier 1, and it fails a pass that
 /// changes numerics, whatever tier the pass claims.
 #[test]

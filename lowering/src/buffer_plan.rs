@@ -16,14 +16,20 @@
 //! planner), aligned. The liveness lower bound (the most bytes live at any node) is reported next
 //! to the arena, so fragmentation is visible. Views are not aliased yet: a reshape gets its own
 //! buffer, which a real backend would not need.
+//!
+//! Packs (`packs.rs`): a concat of graph inputs read in place is one buffer holding its parts
+//! one after the other (each with the outputs donated into it) and the concat over all of them;
+//! a value's offset is its buffer's plus its place in it (`BufferPlan::sub_offset`).
 
+use crate::packs::Pack;
 use graphtrain_ir::{Graph, Op, ValueId};
 use std::fmt;
 
 /// Where one buffer lives and when.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
-    /// Values stored in this buffer: one, or a donated input and the output that replaces it.
+    /// Values stored in this buffer: one, or a donated input and the output that replaces it,
+    /// or a pack's parts, their donated outputs and the concat.
     pub values: Vec<ValueId>,
     pub offset: usize,
     pub bytes: usize,
@@ -37,6 +43,8 @@ pub struct BufferPlan {
     pub buffers: Vec<Placement>,
     /// For every value, the index of its buffer (`None` for values nothing defines).
     pub buffer_of: Vec<Option<usize>>,
+    /// For every value, its bytes from its buffer's start (0 except in packs).
+    pub sub_offset: Vec<usize>,
     /// Arena size: the predicted peak of device memory for tensors.
     pub arena_bytes: usize,
     /// The most bytes live at any slot: no plan can use less.
@@ -49,7 +57,7 @@ pub struct BufferPlan {
 
 impl BufferPlan {
     pub fn offset_of(&self, v: ValueId) -> Option<usize> {
-        self.buffer_of[v.index()].map(|b| self.buffers[b].offset)
+        self.buffer_of[v.index()].map(|b| self.buffers[b].offset + self.sub_offset[v.index()])
     }
 }
 
@@ -102,6 +110,7 @@ pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
         &|v| g.values[v.index()].size_bytes(),
         alignment,
         None,
+        &[],
     )
     .expect("a plan without windows always places every buffer")
 }
@@ -135,19 +144,22 @@ pub fn plan_slots_in_windows(
         &|v| g.values[v.index()].numel() * elem_bytes,
         alignment,
         window,
+        &[],
     )
 }
 
 /// As `plan_slots_in_windows`, with each value's bytes given by `size_of` (a Program whose
-/// values are not all 4 bytes an element: `Program::value_bytes`).
+/// values are not all 4 bytes an element: `Program::value_bytes`), and each of `packs` one
+/// buffer (its parts side by side, the concat over them).
 pub fn plan_sized(
     g: &Graph,
     slots: &[(Vec<ValueId>, Vec<ValueId>)],
     size_of: &dyn Fn(ValueId) -> usize,
     alignment: usize,
     window: Option<usize>,
+    packs: &[Pack],
 ) -> Result<BufferPlan, String> {
-    plan(g, slots, size_of, alignment, window)
+    plan(g, slots, size_of, alignment, window, packs)
 }
 
 fn plan(
@@ -156,6 +168,7 @@ fn plan(
     size_of: &dyn Fn(ValueId) -> usize,
     alignment: usize,
     window: Option<usize>,
+    packs: &[Pack],
 ) -> Result<BufferPlan, String> {
     assert!(
         alignment.is_power_of_two(),
@@ -234,6 +247,36 @@ fn plan(
             buffer_of[v.index()] = Some(keep);
         }
         buffers[drop].bytes = 0;
+    }
+    // A pack: its first part's buffer takes the other parts' (with what was donated into them)
+    // at the bytes after it, and the concat over all of them.
+    let mut sub_offset = vec![0usize; n_values];
+    for pack in packs {
+        let Some(keep) = buffer_of[pack.parts[0].index()] else {
+            continue;
+        };
+        let mut at = buffers[keep].bytes;
+        for part in &pack.parts[1..] {
+            let Some(drop) = buffer_of[part.index()] else {
+                continue;
+            };
+            let moved = std::mem::take(&mut buffers[drop].values);
+            for v in &moved {
+                buffer_of[v.index()] = Some(keep);
+                sub_offset[v.index()] = at;
+            }
+            at += buffers[drop].bytes;
+            buffers[drop].bytes = 0;
+            buffers[keep].values.extend(moved);
+        }
+        buffers[keep].bytes = at;
+        buffers[keep].live = (0, end);
+        if let Some(own) = buffer_of[pack.concat.index()].filter(|&b| b != keep) {
+            buffers[own].values.clear();
+            buffers[own].bytes = 0;
+        }
+        buffer_of[pack.concat.index()] = Some(keep);
+        buffers[keep].values.push(pack.concat);
     }
     // Drop the emptied buffers and renumber.
     let mut renumber = vec![None; buffers.len()];
@@ -314,6 +357,7 @@ fn plan(
     Ok(BufferPlan {
         buffers,
         buffer_of,
+        sub_offset,
         arena_bytes: arena,
         lower_bound: lower_bound as usize,
         alignment,

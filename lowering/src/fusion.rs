@@ -127,6 +127,7 @@ impl FusionLimits {
 pub(crate) fn fused_steps(
     g: &Graph,
     folded: &[bool],
+    packed: &[bool],
     limits: &FusionLimits,
 ) -> Result<Vec<Step>, LowerError> {
     let nv = g.values.len();
@@ -172,8 +173,9 @@ pub(crate) fn fused_steps(
                 .unwrap_or_else(|| MapInput::direct(g, alias[v.index()].unwrap_or(v), out_len))
         };
     let mut steps = Vec::new();
-    // Nodes whose output an earlier step already wrote (a transpose of a matmul result).
-    let mut done = vec![false; g.nodes.len()];
+    // Nodes whose output an earlier step already wrote (a transpose of a matmul result), or
+    // that need no step (a concat read in place, `packs.rs`).
+    let mut done = packed.to_vec();
     // Casts of f32 values to bf16 that only bf16 matmuls and attention read (through layout
     // ops): each reader rounds the f32 operand as it reads it, so the cast is a view of its
     // operand instead of a kernel and a bf16 copy in the arena (bf16-mixed's weights, which

@@ -5,13 +5,14 @@
 //! `program` is the data model; `lower` drives the lowering through constant folding (`fold`),
 //! eager (`eager`) or fused (`fusion`) step emission over the view algebra (`views`); `storage`
 //! stores bf16 values in 2 bytes where every step touching them takes halves (a backend asks
-//! for it); `text` prints a Program for snapshots and dumps.
+//! for it); `packs` reads a concat of parameters in place, stored side by side; `text` prints a Program for snapshots and dumps.
 
 pub mod buffer_plan;
 mod eager;
 mod fold;
 mod fusion;
 mod lower;
+mod packs;
 pub mod program;
 mod storage;
 mod text;
@@ -22,6 +23,7 @@ pub use buffer_plan::{
 };
 pub use fusion::FusionLimits;
 pub use lower::{lower, lower_with, lower_with_limits};
+pub use packs::Pack;
 pub use program::{
     kept_composite, Access, AdamWUpdate, Bf16Rounding, Expr, LowerError, MapInput, Mode, Program,
     ReduceKind, ReduceOver, Step, View,

@@ -14,7 +14,9 @@
 //!   `fusion`), where consecutive in-place AdamW updates also merge into one step;
 //! - lowers `offload` and `reload` to one step each (`Step::Offload`, `Step::Reload`): the
 //!   offloaded value lives in host memory (`Program::host_values`), not in the arena;
-//! - plans one arena for every materialized value (`plan_slots`), the constants live for the
+//! - reads a concat of parameters along their first axis in place (`packs`, fused only): no step,
+//!   the parts planned side by side;
+//! - plans one arena for every materialized value (`plan_sized`), the constants live for the
 //!   whole program, parameters and optimizer state updated in place; and records each step's
 //!   capture region for the runtime.
 //!
@@ -32,10 +34,11 @@
 //! storage cannot hold exactly (`MAX_EXACT_INT`); constants the interpreter cannot evaluate; a
 //! node with no step (see `eager`).
 
-use crate::buffer_plan::plan_slots;
+use crate::buffer_plan::plan_sized;
 use crate::eager::eager_steps;
 use crate::fold::fold_constants;
 use crate::fusion::{fused_steps, FusionLimits};
+use crate::packs::find_packs;
 use crate::program::{
     arena_slots, kept_composite, AdamWUpdate, LowerError, Mode, Program, Step, ARENA_ALIGN,
     ELEM_BYTES, MAX_EXACT_INT,
@@ -85,9 +88,19 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
     let graph = g.canonical();
     let (folded, constants) = fold_constants(&graph)?;
     check_dtypes(&graph, &folded)?;
+    let packs = match mode {
+        Mode::Eager => Vec::new(),
+        Mode::Fused => find_packs(&graph, ELEM_BYTES),
+    };
     let steps = match mode {
         Mode::Eager => eager_steps(&graph, &folded)?,
-        Mode::Fused => merge_adamw(&graph, fused_steps(&graph, &folded, limits)?),
+        Mode::Fused => {
+            let mut packed = vec![false; graph.nodes.len()];
+            for pack in &packs {
+                packed[pack.node] = true;
+            }
+            merge_adamw(&graph, fused_steps(&graph, &folded, &packed, limits)?)
+        }
     };
     // Offloaded values live in host memory: the arena holds no bytes for them.
     let host_values: Vec<ValueId> = steps
@@ -98,7 +111,15 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         })
         .collect();
     let slots = arena_slots(&steps, &constants, &host_values, graph.values.len());
-    let plan = plan_slots(&graph, &slots, ELEM_BYTES, ARENA_ALIGN);
+    let plan = plan_sized(
+        &graph,
+        &slots,
+        &|v| graph.ty(v).numel() * ELEM_BYTES,
+        ARENA_ALIGN,
+        None,
+        &packs,
+    )
+    .expect("a plan without windows always places every buffer");
     let producers = graph.producers();
     let step_regions = steps
         .iter()
@@ -113,6 +134,7 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
         step_regions,
         host_values,
         bf16_in_two_bytes: Vec::new(),
+        packs,
     })
 }
 

@@ -559,6 +559,9 @@ pub struct Program {
     /// Per value (by index; empty: none), whether it is stored as bf16 in 2 bytes per element
     /// instead of in a 4-byte slot (`Program::store_bf16_in_two_bytes`, `storage.rs`).
     pub bf16_in_two_bytes: Vec<bool>,
+    /// Concats of graph inputs that are the inputs stored side by side (`packs.rs`): no step
+    /// computes them, the plan places their parts so.
+    pub packs: Vec<crate::packs::Pack>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -637,6 +640,7 @@ impl Program {
             &|v| self.value_bytes(v),
             ARENA_ALIGN,
             window,
+            &self.packs,
         )?;
         Ok(())
     }

@@ -85,6 +85,16 @@ impl fmt::Display for Program {
             };
             writeln!(f, "const {} = [{}{more}]", p.out(*v), shown.join(", "))?;
         }
+        for pack in &self.packs {
+            let parts: Vec<String> = pack.parts.iter().map(|v| p.at(*v)).collect();
+            writeln!(
+                f,
+                "pack {}: {} = {} (side by side, no step)",
+                p.at(pack.concat),
+                self.graph.ty(pack.concat),
+                parts.join(", ")
+            )?;
+        }
         let width = self.steps.len().saturating_sub(1).to_string().len();
         for (i, s) in self.steps.iter().enumerate() {
             let (head, mut attrs, below) = p.step(s);

@@ -191,6 +191,53 @@ fn in_place_adamw_updates_merge_in_fused_mode() {
     ));
 }
 
+// Merged projections (`merge_matmuls`) read their weights side by side: the concat of
+// parameters is no step in fused mode, its parts planned one after the other, each updated in
+// place afterwards. A second concat of the same parameters is copied (a part is in one pack),
+// and so is one read after a part's update (it must hold the values from before).
+#[test]
+fn a_concat_of_parameters_is_read_in_place() {
+    let out = both(
+        "graph merged {
+  input %x: f32[4,16]
+  input %lr: f32[]
+  param %wq: f32[16,16]
+  param %wk: f32[8,16]
+  param %w1: f32[8,16]
+  param %w3: f32[8,16]
+  %6: f32[24,16] = concat(%wq, %wk, axis=0)  # fwd
+  %7: f32[16,24] = transpose(%6, perm=[1,0])  # fwd
+  %8: f32[4,24] = matmul(%x, %7)  # fwd
+  %9: f32[40,16] = concat(%wq, %wk, %wq, axis=0)  # fwd
+  %10: f32[16,16] = concat(%w1, %w3, axis=0)  # fwd
+  %11: f32[16,16] = mul_scalar(%wq, value=0.5)  # opt
+  %12: f32[8,16] = mul_scalar(%w1, value=0.5)  # opt
+  %13: f32[16,16] = transpose(%10, perm=[1,0])  # opt
+  %14: f32[4,16] = matmul(%x, %13)  # opt
+  output y = %8
+  output z = %9
+  output u = %14
+  output wq = %11 donates %wq
+  output w1 = %12 donates %w1
+}",
+    );
+    insta::assert_snapshot!(out);
+    let fused = out.split("program fused").nth(1).unwrap();
+    assert_eq!(fused.matches("pack ").count(), 1, "{fused}");
+    // `%wk` starts where `%wq`'s 16 x 16 x 4 bytes end, and the concat where `%wq` does.
+    let line = fused.lines().find(|l| l.starts_with("pack ")).unwrap();
+    let at = |name: &str| -> usize {
+        let rest = &line[line.find(name).unwrap() + name.len()..];
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(at("%wk@"), at("%wq@") + 1024, "{line}");
+    assert_eq!(at("%6@"), at("%wq@"), "{line}");
+}
+
 // An iota/compare causal mask is folded into a constant; its -inf fill stays in the kernel.
 #[test]
 fn input_independent_mask_is_folded() {

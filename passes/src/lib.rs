@@ -23,6 +23,7 @@ pub mod dce;
 pub mod egraph;
 pub mod gather_bf16;
 pub mod keep_gathered;
+pub mod merge_matmuls;
 pub mod offload;
 pub mod parallelize;
 pub mod prefetch;
@@ -46,6 +47,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     egraph::register(r);
     gather_bf16::register(r);
     keep_gathered::register(r);
+    merge_matmuls::register(r);
     offload::register(r);
     prefetch::register(r);
     remat::register(r);
