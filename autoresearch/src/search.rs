@@ -514,7 +514,7 @@ mod tests {
         let cap = (f.base_peak as f64 * 0.75) as u64;
         let d = dir("cap");
         let mut j = Journal::open(&d).unwrap();
-        let mut s = search(60);
+        let mut s = search(90);
         s.memory_cap = Some(cap);
         let out = s
             .run(&mut j, &mut Evolution::default(), &mut fake(2), |_, _| {})

@@ -89,6 +89,8 @@ impl Space {
                 knob("async_tp", &["off", "on"]),
             ]);
         }
+        // After `async_tp`, whose patterns look for one matmul per weight.
+        knobs.push(knob("merge_matmuls", &["off", "on", "any"]));
         knobs.push(knob("capture", &["off", "on", "min:8"]));
         Space {
             knobs,

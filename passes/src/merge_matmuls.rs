@@ -422,14 +422,16 @@ way round): merged, the longer-lived would keep the others alive",
                 role[c] = Role::Replaced;
             }
         }
-        // The transposes and casts that only fed the merged matmuls' right operands go too.
+        // The transposes and casts that only fed the merged matmuls' right operands go too
+        // (not a value some group concatenates).
+        let roots: Vec<ValueId> = groups.iter().flat_map(|gr| gr.roots.clone()).collect();
         for group in &groups {
             for &m in &group.members {
                 let mut b = g.nodes[m].inputs[1];
                 while let Some(p) = producers[b.index()] {
                     let feeds_only_merged = users[b.index()].iter().all(|&u| role[u] != Role::Kept)
                         && !g.outputs.iter().any(|o| o.value == b);
-                    if !feeds_only_merged || group.roots.contains(&b) {
+                    if !feeds_only_merged || roots.contains(&b) {
                         break;
                     }
                     role[p] = Role::Replaced;
@@ -497,7 +499,7 @@ way round): merged, the longer-lived would keep the others alive",
             .collect();
         report.change(format!(
             "{merged} matmuls merged into {} (groups of {}); {in_place} concatenate parameters, \
-which the fused lowering stores side by side and reads in place",
+which the fused lowering stores side by side and reads in place (lowering/src/packs.rs)",
             groups.len(),
             sizes.join(", ")
         ));
