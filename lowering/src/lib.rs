@@ -5,7 +5,8 @@
 //! `program` is the data model; `lower` drives the lowering through constant folding (`fold`),
 //! eager (`eager`) or fused (`fusion`) step emission over the view algebra (`views`); `storage`
 //! stores bf16 values in 2 bytes where every step touching them takes halves (a backend asks
-//! for it); `packs` reads a concat of parameters in place, stored side by side; `text` prints a Program for snapshots and dumps.
+//! for it); `packs` reads a concat of parameters in place, stored side by side; `text` prints
+//! a Program for snapshots and dumps.
 
 pub mod buffer_plan;
 mod eager;
