@@ -38,7 +38,7 @@ pub struct Placement {
     pub live: (usize, usize),
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct BufferPlan {
     pub buffers: Vec<Placement>,
     /// For every value, the index of its buffer (`None` for values nothing defines).
@@ -104,7 +104,7 @@ pub fn plan_buffers(g: &Graph, alignment: usize) -> BufferPlan {
         .iter()
         .map(|n| (n.inputs.clone(), n.outputs.clone()))
         .collect();
-    plan(
+    plan_sized(
         g,
         &slots,
         &|v| g.values[v.index()].size_bytes(),
@@ -138,7 +138,7 @@ pub fn plan_slots_in_windows(
     alignment: usize,
     window: Option<usize>,
 ) -> Result<BufferPlan, String> {
-    plan(
+    plan_sized(
         g,
         slots,
         &|v| g.values[v.index()].numel() * elem_bytes,
@@ -152,17 +152,6 @@ pub fn plan_slots_in_windows(
 /// values are not all 4 bytes an element: `Program::value_bytes`), and each of `packs` one
 /// buffer (its parts side by side, the concat over them).
 pub fn plan_sized(
-    g: &Graph,
-    slots: &[(Vec<ValueId>, Vec<ValueId>)],
-    size_of: &dyn Fn(ValueId) -> usize,
-    alignment: usize,
-    window: Option<usize>,
-    packs: &[Pack],
-) -> Result<BufferPlan, String> {
-    plan(g, slots, size_of, alignment, window, packs)
-}
-
-fn plan(
     g: &Graph,
     slots: &[(Vec<ValueId>, Vec<ValueId>)],
     size_of: &dyn Fn(ValueId) -> usize,

@@ -16,9 +16,9 @@
 //!   offloaded value lives in host memory (`Program::host_values`), not in the arena;
 //! - reads a concat of parameters along their first axis in place (`packs`, fused only): no step,
 //!   the parts planned side by side;
-//! - plans one arena for every materialized value (`plan_sized`), the constants live for the
-//!   whole program, parameters and optimizer state updated in place; and records each step's
-//!   capture region for the runtime.
+//! - plans one arena for every materialized value (`Program::plan_again`), the constants live
+//!   for the whole program, parameters and optimizer state updated in place; and records each
+//!   step's capture region for the runtime.
 //!
 //! Guarantees: `Eager` launches one step per unfolded node, each reading and writing whole
 //! contiguous buffers; `Fused` runs the same per-element arithmetic in the same order (an
@@ -34,14 +34,13 @@
 //! storage cannot hold exactly (`MAX_EXACT_INT`); constants the interpreter cannot evaluate; a
 //! node with no step (see `eager`).
 
-use crate::buffer_plan::plan_sized;
+use crate::buffer_plan::BufferPlan;
 use crate::eager::eager_steps;
 use crate::fold::fold_constants;
 use crate::fusion::{fused_steps, FusionLimits};
 use crate::packs::find_packs;
 use crate::program::{
-    arena_slots, kept_composite, AdamWUpdate, LowerError, Mode, Program, Step, ARENA_ALIGN,
-    ELEM_BYTES, MAX_EXACT_INT,
+    kept_composite, AdamWUpdate, LowerError, Mode, Program, Step, ELEM_BYTES, MAX_EXACT_INT,
 };
 use graphtrain_ir::{DType, Graph, Op, ValueId};
 
@@ -110,32 +109,26 @@ graph must be legalized first (graphtrain_runtime::legalize decomposes it)",
             _ => None,
         })
         .collect();
-    let slots = arena_slots(&steps, &constants, &host_values, graph.values.len());
-    let plan = plan_sized(
-        &graph,
-        &slots,
-        &|v| graph.ty(v).numel() * ELEM_BYTES,
-        ARENA_ALIGN,
-        None,
-        &packs,
-    )
-    .expect("a plan without windows always places every buffer");
     let producers = graph.producers();
     let step_regions = steps
         .iter()
         .map(|s| producers[s.writes().index()].and_then(|n| graph.nodes[n].meta.tags.region))
         .collect();
-    Ok(Program {
+    let mut program = Program {
         graph,
         steps,
-        plan,
+        plan: BufferPlan::default(),
         mode,
         constants,
         step_regions,
         host_values,
         bf16_in_two_bytes: Vec::new(),
         packs,
-    })
+    };
+    program
+        .plan_again(None)
+        .expect("a plan without windows always places every buffer");
+    Ok(program)
 }
 
 /// Consecutive AdamW steps with the same scalars and hyperparameters become one when every

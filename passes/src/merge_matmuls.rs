@@ -39,38 +39,58 @@ use graphtrain_ir::graph::{Meta, Node, Phase};
 use graphtrain_ir::spmd;
 use graphtrain_ir::{DType, Graph, Op, Placements, ValueId};
 
-/// Results read in place: through layout ops and casts, by ops that read strided operands.
-fn read_in_place(g: &Graph, users: &[Vec<usize>], v: ValueId) -> bool {
-    if g.outputs.iter().any(|o| o.value == v) {
-        return false;
-    }
-    users[v.index()].iter().all(|&u| match &g.nodes[u].op {
-        Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Cast { .. } => {
-            read_in_place(g, users, g.nodes[u].outputs[0])
-        }
-        Op::Matmul
-        | Op::Rope { .. }
-        | Op::Attention { .. }
-        | Op::AttentionBackward { .. }
-        | Op::CrossEntropy => true,
-        _ => false,
-    })
+/// Layout ops and casts, which the lowering may turn into views of their operand (keeping its
+/// buffer alive for their readers).
+fn is_view_like(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Cast { .. }
+    )
 }
 
-/// The latest phase that reads `v`, directly or through layout ops and casts (which the
-/// lowering may read in place, keeping `v`'s buffer alive).
-fn last_reading_phase(g: &Graph, users: &[Vec<usize>], v: ValueId) -> Phase {
-    let mut last = Phase::Forward;
-    for &u in &users[v.index()] {
-        last = last.max(g.nodes[u].meta.phase);
-        if matches!(
-            g.nodes[u].op,
-            Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Cast { .. }
-        ) {
-            last = last.max(last_reading_phase(g, users, g.nodes[u].outputs[0]));
+/// The nodes that read `v`, directly or through view-like ops (those included), and whether
+/// `v` or a view-like op's result on the way is a graph output.
+fn view_readers(g: &Graph, users: &[Vec<usize>], v: ValueId) -> (Vec<usize>, bool) {
+    let (mut readers, mut output) = (Vec::new(), false);
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        output |= g.outputs.iter().any(|o| o.value == v);
+        for &u in &users[v.index()] {
+            readers.push(u);
+            if is_view_like(&g.nodes[u].op) {
+                stack.push(g.nodes[u].outputs[0]);
+            }
         }
     }
-    last
+    (readers, output)
+}
+
+/// Results read in place: through view-like ops, by ops that read strided operands.
+fn read_in_place(g: &Graph, users: &[Vec<usize>], v: ValueId) -> bool {
+    let (readers, output) = view_readers(g, users, v);
+    !output
+        && readers.iter().all(|&u| {
+            let op = &g.nodes[u].op;
+            is_view_like(op)
+                || matches!(
+                    op,
+                    Op::Matmul
+                        | Op::Rope { .. }
+                        | Op::Attention { .. }
+                        | Op::AttentionBackward { .. }
+                        | Op::CrossEntropy
+                )
+        })
+}
+
+/// The latest phase that reads `v`, directly or through view-like ops.
+fn last_reading_phase(g: &Graph, users: &[Vec<usize>], v: ValueId) -> Phase {
+    let (readers, _) = view_readers(g, users, v);
+    readers
+        .iter()
+        .map(|&u| g.nodes[u].meta.phase)
+        .max()
+        .unwrap_or(Phase::Forward)
 }
 
 pub const INFO: PassInfo = PassInfo {
