@@ -11,7 +11,8 @@
 //! (bf16-mixed's `cast_out`), `y` is cast once and the casts' readers read slices of that. The
 //! concat is lifted through the transposes and casts the right operands share, so a Linear's
 //! weights are concatenated as they are stored: `concat(w_i, axis=0)` of parameters, which the
-//! fused lowering stores side by side and reads in place (`Program::packs`), with no copy. The
+//! fused lowering stores side by side and reads in place (`Program::packs`), with no copy,
+//! where each is a whole number of the arena's alignment (64 bytes; else it copies). The
 //! parameters stay separate graph inputs: names, checkpoints, sharding plans and the optimizer
 //! see them as before.
 //! Guarantees: tier 1: every element of `y` is the same products summed in the same order as in
@@ -519,7 +520,7 @@ way round): merged, the longer-lived would keep the others alive",
             .collect();
         report.change(format!(
             "{merged} matmuls merged into {} (groups of {}); {in_place} concatenate parameters, \
-which the fused lowering stores side by side and reads in place (lowering/src/packs.rs)",
+which the fused lowering stores side by side and reads in place where each is a whole number of 64 bytes (lowering/src/packs.rs)",
             groups.len(),
             sizes.join(", ")
         ));
