@@ -319,7 +319,7 @@ pub enum PassesCommand {
 #[derive(clap::Args, Debug)]
 pub struct PassArgs {
     /// Pass pipeline: comma-separated names, each `NAME` or `NAME=OPTION`, run in order.
-    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce,gather_bf16,capture); `none` runs no pass.
+    /// `default` is the tier-1 default pipeline (canonicalize,cse,dce,attention_stats,gather_bf16,capture); `none` runs no pass.
     /// `graphtrain passes list` shows the passes.
     #[arg(long, default_value = "default")]
     pub passes: String,
@@ -1239,9 +1239,10 @@ pub struct BenchArgs {
 #[derive(clap::Args, Debug)]
 pub struct SearchArgs {
     /// The model, data and training flags; --passes is where the search starts (its passes in
-    /// the search space's order: canonicalize, cse, egraph, dce, ac, offload, capture; with
-    /// --mesh, keep_gathered, bucket, prefetch and async_tp before capture). On a mesh the
-    /// SPMD step is searched, its ranks threads of one process.
+    /// the search space's order: canonicalize, cse, egraph, dce, attention_stats, gather_bf16,
+    /// ac, offload, merge_matmuls, capture; with --mesh, keep_gathered, bucket, prefetch and
+    /// async_tp before merge_matmuls). On a mesh the SPMD step is searched, its ranks threads
+    /// of one process.
     #[command(flatten)]
     pub train: TrainArgs,
     /// The search's directory: its log, its lock and the best pipeline. A directory with a log

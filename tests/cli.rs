@@ -379,7 +379,7 @@ fn passes_list_and_explain() {
         "canonicalize",
         "cse",
         "dce",
-        "default pipeline: canonicalize,cse,dce,gather_bf16,capture",
+        "default pipeline: canonicalize,cse,dce,attention_stats,gather_bf16,capture",
     ] {
         assert!(out.contains(name), "`{name}` missing:\n{out}");
     }

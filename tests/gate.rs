@@ -254,6 +254,56 @@ fn memory_passes_are_bitwise_identical_on_tiny() {
     }
 }
 
+/// The default pipeline's `attention_stats` acts on `tiny` in both precisions (each of its two
+/// blocks' backward reads its forward's row statistics), so the default pipeline's gates above
+/// (interpreter, cpu, wgpu) and `merged_sibling_matmuls_are_bitwise_identical` (bf16-mixed on
+/// every GEMM kernel) hold it to tier 1. Under activation checkpointing: after `ac=full` the
+/// backward pairs with the recomputed forward; after `ac=selective` its q and k are recomputed
+/// ropes and it declines, so the pass runs before `ac` (and is held bitwise there too).
+#[test]
+fn attention_statistics_reach_every_backward_of_tiny() {
+    use graphtrain::ir::autocast::Precision;
+    let tiny = Llama3Config::builtin("tiny").unwrap();
+    let optim = graphtrain::ir::optim::OptimConfig::default();
+    for (pipeline, pairs) in [
+        ("default", 2.0),
+        ("ac=full,default", 2.0),
+        ("ac=selective,default", 0.0),
+        ("default,ac=selective", 2.0),
+    ] {
+        let mut p = PipelineSpec::parse_list(pipeline)
+            .unwrap()
+            .build(&Registry::builtin())
+            .unwrap();
+        p.verify_each = true;
+        if pipeline == "default,ac=selective" {
+            check_pipeline(&tiny, &p, 3).unwrap();
+            check_pipeline_on(&tiny, &p, 3, Backend::Cpu).unwrap();
+        }
+        for precision in [Precision::F32, Precision::Bf16Mixed] {
+            let step = graphtrain::trainer::build_step_in(&tiny, precision, &optim).unwrap();
+            let (out, records) = p.run(&step.step.graph).unwrap();
+            let record = records
+                .iter()
+                .find(|r| r.pass == "attention_stats")
+                .expect("the pass ran");
+            let got = record
+                .report
+                .metrics
+                .iter()
+                .find(|(name, _)| name == "attention_stats.pairs")
+                .map_or(0.0, |m| m.1);
+            assert_eq!(got, pairs, "{pipeline}, {precision:?}: {}", record.report);
+            let with_stats = out
+                .nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::AttentionBackward { stats: true, .. }))
+                .count();
+            assert_eq!(with_stats as f64, pairs, "{pipeline}, {precision:?}");
+        }
+    }
+}
+
 /// `merge_matmuls` is tier 1: each block's `wq`/`wk`/`wv` and `w1`/`w3` as one matmul over
 /// their weights side by side (read in place by the fused lowering) trains bitwise as the
 /// separate matmuls, on the interpreter, on cpu (f32 on `tiny` and `peer`; bf16-mixed on `tiny`

@@ -65,6 +65,8 @@ impl Space {
             knob("cse", &["off", "on"]),
             knob("egraph", &["off", "on"]),
             knob("dce", &["off", "on"]),
+            // Before `ac`, which may recompute attention's operands in backward.
+            knob("attention_stats", &["off", "on"]),
             // The default pipeline's; it changes only meshes under mixed precision (elsewhere
             // both choices give one fingerprint, and the search measures it once).
             knob("gather_bf16", &["off", "on"]),

@@ -182,6 +182,7 @@ mod tests {
         let attention = Op::Attention {
             causal: true,
             scale: 0.5,
+            stats: false,
         };
         let o = g.push1(attention.clone(), vec![q, k, v], meta()).unwrap();
         let loss = g

@@ -680,11 +680,14 @@ fn rule(
             },
             vec![gy],
         )?),
-        Op::Attention { causal, scale } => {
+        // The statistics form (`stats`, two outputs) never gets here: it is made after
+        // autodiff, by `attention_stats`, and is refused above as not differentiable.
+        Op::Attention { causal, scale, .. } => {
             let r = cx.push_n(
                 Op::AttentionBackward {
                     causal: *causal,
                     scale: *scale,
+                    stats: false,
                 },
                 vec![ins[0], ins[1], ins[2], gy],
             )?;

@@ -48,14 +48,21 @@ pub fn decompose_op(
             layout,
             inverse,
         } => vec![rope(&mut e, inputs[0], *theta, *layout, *inverse)?],
-        Op::Attention { causal, scale } => {
-            vec![attention(
-                &mut e, inputs[0], inputs[1], inputs[2], *causal, *scale,
-            )?]
-        }
-        Op::AttentionBackward { causal, scale } => {
+        Op::Attention {
+            causal,
+            scale,
+            stats,
+        } => attention(
+            &mut e, inputs[0], inputs[1], inputs[2], *causal, *scale, *stats,
+        )?,
+        Op::AttentionBackward {
+            causal,
+            scale,
+            stats,
+        } => {
             let (q, k, v, dout) = (inputs[0], inputs[1], inputs[2], inputs[3]);
-            attention_backward(&mut e, q, k, v, dout, *causal, *scale)?
+            let stats = stats.then(|| inputs[4]);
+            attention_backward(&mut e, q, k, v, dout, stats, *causal, *scale)?
         }
         Op::Softmax { axis } => vec![softmax(&mut e, inputs[0], *axis, false)?],
         Op::LogSoftmax { axis } => vec![softmax(&mut e, inputs[0], *axis, true)?],
@@ -441,8 +448,8 @@ fn sum_groups(e: &mut Emit, x: ValueId, hkv: usize) -> R {
     e.reduce_sum(split, vec![2], false)
 }
 
-/// Attention probabilities `softmax(q kᵀ * scale + mask)`, `[B, Hq, S, S]`.
-fn attention_probs(e: &mut Emit, q: ValueId, ke: ValueId, causal: bool, scale: f64) -> R {
+/// Attention scores `q kᵀ * scale + mask`, `[B, Hq, S, S]`.
+fn attention_scores(e: &mut Emit, q: ValueId, ke: ValueId, causal: bool, scale: f64) -> R {
     let kt = e.transpose_last(ke)?;
     let raw = e.matmul(q, kt)?;
     let mut scores = e.mul_scalar(raw, scale)?;
@@ -456,24 +463,96 @@ fn attention_probs(e: &mut Emit, q: ValueId, ke: ValueId, causal: bool, scale: f
         let ninf = e.full(f64::NEG_INFINITY, shape, e.dtype(scores))?;
         scores = e.op(Op::Select, vec![future, ninf, scores])?;
     }
+    Ok(scores)
+}
+
+/// Attention probabilities `softmax(q kᵀ * scale + mask)`, `[B, Hq, S, S]`.
+fn attention_probs(e: &mut Emit, q: ValueId, ke: ValueId, causal: bool, scale: f64) -> R {
+    let scores = attention_scores(e, q, ke, causal, scale)?;
     // Kept composite, so a backend with a softmax kernel but no attention kernel still uses it.
     e.op(Op::Softmax { axis: 3 }, vec![scores])
 }
 
-fn attention(e: &mut Emit, q: ValueId, k: ValueId, v: ValueId, causal: bool, scale: f64) -> R {
+/// The probabilities and their row statistics `[B, Hq, S, 2]` (max, sum of exponentials),
+/// the softmax spelled out so that its max and sum are values.
+fn attention_probs_and_stats(
+    e: &mut Emit,
+    q: ValueId,
+    ke: ValueId,
+    causal: bool,
+    scale: f64,
+) -> Result<(ValueId, ValueId), TypeError> {
+    let scores = attention_scores(e, q, ke, causal, scale)?;
+    let shape = e.shape(scores);
+    let max = e.op(
+        Op::ReduceMax {
+            axes: vec![3],
+            keepdim: true,
+        },
+        vec![scores],
+    )?;
+    let wide_max = e.expand(max, shape.clone())?;
+    let shifted = e.sub(scores, wide_max)?;
+    let exp = e.unary(UnaryOp::Exp, shifted)?;
+    let sum = e.reduce_sum(exp, vec![3], true)?;
+    let wide_sum = e.expand(sum, shape)?;
+    let p = e.div(exp, wide_sum)?;
+    let stats = e.op(Op::Concat { axis: 3 }, vec![max, sum])?;
+    let stats_dtype = crate::infer::attention_stats_type(e.g.ty(q)).dtype;
+    Ok((p, e.cast(stats, stats_dtype)?))
+}
+
+/// The probabilities from the forward's row statistics: `exp(scores - max) / sum`.
+fn attention_probs_from(
+    e: &mut Emit,
+    q: ValueId,
+    ke: ValueId,
+    stats: ValueId,
+    causal: bool,
+    scale: f64,
+) -> R {
+    let scores = attention_scores(e, q, ke, causal, scale)?;
+    let (shape, dtype) = (e.shape(scores), e.dtype(scores));
+    let max = e.slice(stats, 3, 0, 1)?;
+    let max = e.cast(max, dtype)?;
+    let max = e.expand(max, shape.clone())?;
+    let sum = e.slice(stats, 3, 1, 2)?;
+    let sum = e.cast(sum, dtype)?;
+    let sum = e.expand(sum, shape)?;
+    let shifted = e.sub(scores, max)?;
+    let exp = e.unary(UnaryOp::Exp, shifted)?;
+    e.div(exp, sum)
+}
+
+fn attention(
+    e: &mut Emit,
+    q: ValueId,
+    k: ValueId,
+    v: ValueId,
+    causal: bool,
+    scale: f64,
+    stats: bool,
+) -> Result<Vec<ValueId>, TypeError> {
     let hq = e.shape(q)[1];
     let ke = repeat_kv(e, k, hq)?;
     let ve = repeat_kv(e, v, hq)?;
-    let p = attention_probs(e, q, ke, causal, scale)?;
-    e.matmul(p, ve)
+    if stats {
+        let (p, stats) = attention_probs_and_stats(e, q, ke, causal, scale)?;
+        Ok(vec![e.matmul(p, ve)?, stats])
+    } else {
+        let p = attention_probs(e, q, ke, causal, scale)?;
+        Ok(vec![e.matmul(p, ve)?])
+    }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention_backward(
     e: &mut Emit,
     q: ValueId,
     k: ValueId,
     v: ValueId,
     dout: ValueId,
+    stats: Option<ValueId>,
     causal: bool,
     scale: f64,
 ) -> Result<Vec<ValueId>, TypeError> {
@@ -481,7 +560,10 @@ fn attention_backward(
     let hkv = e.shape(k)[1];
     let ke = repeat_kv(e, k, hq)?;
     let ve = repeat_kv(e, v, hq)?;
-    let p = attention_probs(e, q, ke, causal, scale)?;
+    let p = match stats {
+        Some(stats) => attention_probs_from(e, q, ke, stats, causal, scale)?,
+        None => attention_probs(e, q, ke, causal, scale)?,
+    };
     // dv = pᵀ dout
     let pt = e.transpose_last(p)?;
     let dv = e.matmul(pt, dout)?;

@@ -307,13 +307,24 @@ pub fn infer_types(op: &Op, ins: &[TensorType]) -> Result<Vec<TensorType>, Strin
             }
             one(x.clone())
         }
-        Op::Attention { .. } => {
+        Op::Attention { stats, .. } => {
             check_attention(&ins[0], &ins[1], &ins[2])?;
-            one(ins[0].clone())
+            let mut outs = vec![ins[0].clone()];
+            if *stats {
+                outs.push(attention_stats_type(&ins[0]));
+            }
+            Ok(outs)
         }
-        Op::AttentionBackward { .. } => {
+        Op::AttentionBackward { stats, .. } => {
             check_attention(&ins[0], &ins[1], &ins[2])?;
             same_type("attention_backward (q vs grad)", &ins[0], &ins[3])?;
+            if *stats {
+                same_type(
+                    "attention_backward (the forward's statistics for q)",
+                    &attention_stats_type(&ins[0]),
+                    &ins[4],
+                )?;
+            }
             Ok(vec![ins[0].clone(), ins[1].clone(), ins[2].clone()])
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
@@ -453,6 +464,22 @@ fn check_norm(x: &TensorType, w: &TensorType) -> Result<(), String> {
         return Err(format!("the weight must be {}[{d}], got {w}", x.dtype));
     }
     Ok(())
+}
+
+/// Attention's softmax statistics for queries `q: [B, H, S, D]`: `[B, H, S, 2]`, each row's max
+/// and sum of exponentials (`Op::Attention`), in f32 (f64 for f64 queries: the precision the
+/// softmax is computed in).
+pub fn attention_stats_type(q: &TensorType) -> TensorType {
+    let mut shape = q.shape.clone();
+    if let Some(last) = shape.last_mut() {
+        *last = 2;
+    }
+    let dtype = if q.dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    TensorType::new(dtype, shape)
 }
 
 fn check_attention(q: &TensorType, k: &TensorType, v: &TensorType) -> Result<(), String> {

@@ -17,7 +17,7 @@
 
 use crate::dtype::{DType, TensorType};
 use crate::graph::Graph;
-use crate::infer::infer_types;
+use crate::infer::{attention_stats_type, infer_types};
 use crate::mesh::{Mesh, Reduce};
 use crate::op::{BinaryOp, Collective, Op, RopeLayout};
 use crate::rng;
@@ -513,9 +513,26 @@ fn eval(op: &Op, ins: &[&HostTensor], outs: &[TensorType]) -> Result<Vec<Vec<f64
             layout,
             inverse,
         } => one(rope(x, *theta, *layout, *inverse)),
-        Op::Attention { causal, scale } => one(attention(x, ins[1], ins[2], *causal, *scale)),
-        Op::AttentionBackward { causal, scale } => {
-            let (dq, dk, dv) = attention_backward(x, ins[1], ins[2], ins[3], *causal, *scale);
+        Op::Attention {
+            causal,
+            scale,
+            stats,
+        } => {
+            let (out, row_stats) = attention(x, ins[1], ins[2], *causal, *scale);
+            Ok(if *stats {
+                vec![out, row_stats]
+            } else {
+                vec![out]
+            })
+        }
+        Op::AttentionBackward {
+            causal,
+            scale,
+            stats,
+        } => {
+            let stats = stats.then(|| &ins[4].data[..]);
+            let (dq, dk, dv) =
+                attention_backward(x, ins[1], ins[2], ins[3], stats, *causal, *scale);
             Ok(vec![dq, dk, dv])
         }
         Op::Softmax { axis } => one(softmax(x, *axis, false)),
@@ -1092,12 +1109,14 @@ fn rope(x: &HostTensor, theta: f64, layout: RopeLayout, inverse: bool) -> Vec<f6
     out
 }
 
-/// Shapes of an attention call: q `[B, Hq, S, D]`, kv heads, group size.
+/// Shapes of an attention call: q `[B, Hq, S, D]`, kv heads, group size, and the dtype its
+/// softmax statistics are held in.
 struct AttnDims {
     hq: usize,
     hkv: usize,
     s: usize,
     d: usize,
+    stats: DType,
 }
 
 impl AttnDims {
@@ -1107,6 +1126,7 @@ impl AttnDims {
             hkv: k.shape()[1],
             s: q.shape()[2],
             d: q.shape()[3],
+            stats: attention_stats_type(&q.ty).dtype,
         }
     }
 
@@ -1116,11 +1136,16 @@ impl AttnDims {
 
     /// Softmax probabilities of query `i` against keys `0..len`, written into `p[..len]`; `len` is
     /// `i + 1` when causal, so masked keys are never touched (their probability is exactly 0).
-    fn probs(&self, qi: &[f64], kh: &[f64], len: usize, scale: f64, p: &mut [f64]) {
+    /// Returns the row's statistics `(max, sum)`: the max scaled score and the sum of
+    /// `exp(score - max)`, by which the scores were shifted and divided. The scores and the
+    /// sum are held in the statistics' dtype (f32 for f32 and bf16 attention, as the kernels
+    /// hold them; the identity in f64), so that probabilities rebuilt from stored statistics
+    /// (`probs_from`) are these bit for bit, and the largest score's shifted value is 0.
+    fn probs(&self, qi: &[f64], kh: &[f64], len: usize, scale: f64, p: &mut [f64]) -> (f64, f64) {
         let d = self.d;
         let mut max = f64::NEG_INFINITY;
         for (j, pj) in p[..len].iter_mut().enumerate() {
-            *pj = scale * dot(qi, &kh[j * d..(j + 1) * d]);
+            *pj = self.score(qi, &kh[j * d..(j + 1) * d], scale);
             max = BinaryOp::Max.apply(max, *pj);
         }
         let mut sum = 0.0;
@@ -1128,9 +1153,33 @@ impl AttnDims {
             *pj = (*pj - max).exp();
             sum += *pj;
         }
+        let sum = round_to_dtype(self.stats, sum);
         for pj in &mut p[..len] {
             *pj /= sum;
         }
+        (max, sum)
+    }
+
+    /// `probs` from given statistics (the forward's, `Op::Attention`'s `stats`): `p_j =
+    /// exp(score_j - max) / sum`.
+    fn probs_from(
+        &self,
+        qi: &[f64],
+        kh: &[f64],
+        len: usize,
+        scale: f64,
+        (max, sum): (f64, f64),
+        p: &mut [f64],
+    ) {
+        let d = self.d;
+        for (j, pj) in p[..len].iter_mut().enumerate() {
+            *pj = (self.score(qi, &kh[j * d..(j + 1) * d], scale) - max).exp() / sum;
+        }
+    }
+
+    /// `q_i · k_j · scale`, held in the statistics' dtype.
+    fn score(&self, qi: &[f64], kj: &[f64], scale: f64) -> f64 {
+        round_to_dtype(self.stats, scale * dot(qi, kj))
     }
 }
 
@@ -1149,20 +1198,33 @@ fn as_product_operand(x: f64, bf16: bool) -> f64 {
     }
 }
 
-/// `softmax(q kᵀ · scale + mask) v`; in bf16 the probabilities are rounded to bf16 before the
-/// product with `v` (`as_product_operand`).
-fn attention(q: &HostTensor, k: &HostTensor, v: &HostTensor, causal: bool, scale: f64) -> Vec<f64> {
+/// `softmax(q kᵀ · scale + mask) v`, and each query row's softmax statistics `(max, sum)`
+/// (`[B, Hq, S, 2]`); in bf16 the probabilities are rounded to bf16 before the product with `v`
+/// (`as_product_operand`).
+fn attention(
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    causal: bool,
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
     let bf16 = q.ty.dtype == DType::BF16;
     let dims = AttnDims::of(q, k);
     let (s, d, group) = (dims.s, dims.d, dims.group());
     let head = s * d;
     let mut out = vec![0.0; q.data.len()];
+    let mut stats = vec![0.0; q.data.len() / d.max(1) * 2];
     if head == 0 {
-        return out;
+        return (out, stats);
     }
-    let items: Vec<(usize, &mut [f64])> = out.chunks_mut(head).enumerate().collect();
+    // (head index, (its output, its rows' statistics))
+    let items: Vec<_> = out
+        .chunks_mut(head)
+        .zip(stats.chunks_mut(2 * s))
+        .enumerate()
+        .collect();
     let work = 4 * q.data.len() * s;
-    par_for_each(items, num_threads(), work, |(bh, o)| {
+    par_for_each(items, num_threads(), work, |(bh, (o, row_stats))| {
         let (bi, h) = (bh / dims.hq, bh % dims.hq);
         let kv = (bi * dims.hkv + h / group) * head;
         let (qh, kh, vh) = (
@@ -1173,7 +1235,9 @@ fn attention(q: &HostTensor, k: &HostTensor, v: &HostTensor, causal: bool, scale
         let mut p = vec![0.0; s];
         for i in 0..s {
             let len = if causal { i + 1 } else { s };
-            dims.probs(&qh[i * d..(i + 1) * d], kh, len, scale, &mut p);
+            let (max, sum) = dims.probs(&qh[i * d..(i + 1) * d], kh, len, scale, &mut p);
+            row_stats[2 * i] = max;
+            row_stats[2 * i + 1] = sum;
             let oi = &mut o[i * d..(i + 1) * d];
             for (j, &pj) in p[..len].iter().enumerate() {
                 let pj = as_product_operand(pj, bf16);
@@ -1183,7 +1247,7 @@ fn attention(q: &HostTensor, k: &HostTensor, v: &HostTensor, causal: bool, scale
             }
         }
     });
-    out
+    (out, stats)
 }
 
 /// The gradient slices one (batch, kv head) pair owns in `attention_backward`: its dk and dv, and
@@ -1196,12 +1260,14 @@ struct KvHeadGrads<'a> {
 
 /// The gradients of `attention`: `dv = pᵀ dout`, `ds = p (dout vᵀ - Σ_j p dp)` (from the
 /// unrounded `p`), `dq = ds k · scale`, `dk = dsᵀ q · scale`; in bf16 the products read `p` and
-/// `ds` rounded to bf16 (`as_product_operand`).
+/// `ds` rounded to bf16 (`as_product_operand`). `p` is rebuilt from the forward's statistics
+/// where they are given (`[B, Hq, S, 2]`, `Op::AttentionBackward`'s `stats`), else softmaxed again.
 fn attention_backward(
     q: &HostTensor,
     k: &HostTensor,
     v: &HostTensor,
     dout: &HostTensor,
+    stats: Option<&[f64]>,
     causal: bool,
     scale: f64,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
@@ -1243,7 +1309,15 @@ fn attention_backward(
                 let len = if causal { i + 1 } else { s };
                 let qi = &qh[i * d..(i + 1) * d];
                 let doi = &doh[i * d..(i + 1) * d];
-                dims.probs(qi, kh, len, scale, &mut p);
+                match stats {
+                    Some(stats) => {
+                        let row = &stats[2 * (bh * s + i)..][..2];
+                        dims.probs_from(qi, kh, len, scale, (row[0], row[1]), &mut p);
+                    }
+                    None => {
+                        dims.probs(qi, kh, len, scale, &mut p);
+                    }
+                }
                 let mut t = 0.0;
                 for j in 0..len {
                     dp[j] = dot(doi, &vh[j * d..(j + 1) * d]);

@@ -358,9 +358,25 @@ pub enum Op {
     },
     /// `softmax(q kᵀ * scale + causal mask) v` with grouped-query heads: q `[B, Hq, S, D]`,
     /// k and v `[B, Hkv, S, D]`, `Hq % Hkv == 0`, query head `h` reads kv head `h / (Hq / Hkv)`.
-    Attention { causal: bool, scale: f64 },
-    /// Inputs `(q, k, v, grad_out)`; outputs `(grad_q, grad_k, grad_v)`.
-    AttentionBackward { causal: bool, scale: f64 },
+    /// With `stats`, a second output: each query row's softmax statistics `[B, Hq, S, 2]` (f32;
+    /// f64 for f64 queries),
+    /// `(m, l)` with `m` the max of the row's scaled, masked scores and `l = Σ_j exp(s_j - m)`,
+    /// for the backward to rebuild the probabilities from (`attention_stats`).
+    Attention {
+        causal: bool,
+        scale: f64,
+        #[serde(default)]
+        stats: bool,
+    },
+    /// Inputs `(q, k, v, grad_out)`, and with `stats` the forward's statistics (as
+    /// `Attention`'s second output) as a fifth, from which the probabilities are
+    /// `exp(s_j - m) / l` instead of a softmax of their own; outputs `(grad_q, grad_k, grad_v)`.
+    AttentionBackward {
+        causal: bool,
+        scale: f64,
+        #[serde(default)]
+        stats: bool,
+    },
     /// `exp(x) / sum(exp(x))` along `axis`.
     Softmax { axis: usize },
     /// `x - log(sum(exp(x)))` along `axis`.
@@ -570,7 +586,7 @@ impl Op {
             | Op::Attention { .. }
             | Op::CrossEntropyBackward
             | Op::Sgd { .. } => Exactly(3),
-            Op::AttentionBackward { .. } => Exactly(4),
+            Op::AttentionBackward { stats, .. } => Exactly(if *stats { 5 } else { 4 }),
             Op::AdamW { .. } => Exactly(6),
             Op::Concat { .. } => AtLeast(1),
             Op::Full { .. } | Op::Iota { .. } => Exactly(0),
@@ -580,7 +596,7 @@ impl Op {
 
     pub fn num_outputs(&self) -> usize {
         match self {
-            Op::RmsNormBackward { .. } => 2,
+            Op::RmsNormBackward { .. } | Op::Attention { stats: true, .. } => 2,
             Op::AttentionBackward { .. } | Op::AdamW { .. } => 3,
             _ => 1,
         }
@@ -693,10 +709,26 @@ impl Op {
                 ("layout", Attr::Ident(layout.name().to_string())),
                 ("inverse", Attr::Bool(*inverse)),
             ],
-            Op::Attention { causal, scale } | Op::AttentionBackward { causal, scale } => vec![
-                ("causal", Attr::Bool(*causal)),
-                ("scale", Attr::Float(*scale)),
-            ],
+            Op::Attention {
+                causal,
+                scale,
+                stats,
+            }
+            | Op::AttentionBackward {
+                causal,
+                scale,
+                stats,
+            } => {
+                let mut attrs = vec![
+                    ("causal", Attr::Bool(*causal)),
+                    ("scale", Attr::Float(*scale)),
+                ];
+                // Printed only where set, so that graphs without statistics read as before.
+                if *stats {
+                    attrs.push(("stats", Attr::Bool(true)));
+                }
+                attrs
+            }
             Op::AdamW {
                 beta1,
                 beta2,
@@ -846,10 +878,12 @@ impl Op {
             "attention" => Op::Attention {
                 causal: a.bool("causal")?,
                 scale: a.float("scale")?,
+                stats: a.optional_bool("stats")?,
             },
             "attention_backward" => Op::AttentionBackward {
                 causal: a.bool("causal")?,
                 scale: a.float("scale")?,
+                stats: a.optional_bool("stats")?,
             },
             "softmax" => Op::Softmax {
                 axis: a.usize("axis")?,
@@ -989,6 +1023,15 @@ impl<'a> AttrReader<'a> {
                 "{}: attribute `{key}` must be true or false, found `{other}`",
                 self.op
             )),
+        }
+    }
+
+    /// A boolean attribute that defaults to false where absent.
+    fn optional_bool(&mut self, key: &str) -> Result<bool, String> {
+        if self.attrs.iter().any(|(k, _)| k == key) {
+            self.bool(key)
+        } else {
+            Ok(false)
         }
     }
 

@@ -344,17 +344,21 @@ fn dim_rule(op: &Op, p: &[Placement], types: &[&TensorType], out_types: &[&Tenso
                 "rope (positions are the sequence index)",
             )?),
         },
-        Op::Attention { .. } => {
+        // The statistics are per query row: split as q (batch and heads).
+        Op::Attention { stats, .. } => {
             let q = keep_shard_on(p[0], &[0, 1], "attention")?;
             if p[1] != q || p[2] != q {
                 return Err("q, k and v must be split alike".into());
             }
-            one(q)
+            Ok(Some(vec![q; if *stats { 2 } else { 1 }]))
         }
-        Op::AttentionBackward { .. } => {
+        Op::AttentionBackward { stats, .. } => {
             let q = keep_shard_on(p[0], &[0, 1], "attention")?;
             if p[1] != q || p[2] != q {
                 return Err("q, k and v must be split alike".into());
+            }
+            if *stats && p[4] != q {
+                return Err("the forward's statistics must be split as q".into());
             }
             match (q, p[3]) {
                 (q, g) if g == q => Ok(Some(vec![q; 3])),

@@ -331,8 +331,14 @@ impl<'t> Tensor<'t> {
     }
     /// Attention of `self` as queries `[B, Hq, S, D]` over `k`, `v` `[B, Hkv, S, D]`.
     pub fn attention(self, k: Tensor<'t>, v: Tensor<'t>, causal: bool, scale: f64) -> R<'t> {
-        self.tracer
-            .op1(Op::Attention { causal, scale }, &[self, k, v])
+        self.tracer.op1(
+            Op::Attention {
+                causal,
+                scale,
+                stats: false,
+            },
+            &[self, k, v],
+        )
     }
     /// Rows of `self` (an embedding table `[V, D]`) at `ids`.
     pub fn embedding(self, ids: Tensor<'t>) -> R<'t> {

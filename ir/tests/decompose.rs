@@ -138,10 +138,36 @@ fn attention_and_backward_with_gqa() {
             let v = randn(3, &[b, hkv, s, d]);
             let dout = randn(4, &[b, hq, s, d]);
             check(
-                Op::Attention { causal, scale },
+                Op::Attention {
+                    causal,
+                    scale,
+                    stats: false,
+                },
                 &[q.clone(), k.clone(), v.clone()],
             );
-            check(Op::AttentionBackward { causal, scale }, &[q, k, v, dout]);
+            let with_stats = Op::Attention {
+                causal,
+                scale,
+                stats: true,
+            };
+            check(with_stats.clone(), &[q.clone(), k.clone(), v.clone()]);
+            let stats = run(
+                &single(&with_stats, &[q.clone(), k.clone(), v.clone()]),
+                &[q.clone(), k.clone(), v.clone()],
+            )
+            .expect("runs")
+            .outputs
+            .swap_remove(1);
+            for stats_in in [None, Some(stats)] {
+                let op = Op::AttentionBackward {
+                    causal,
+                    scale,
+                    stats: stats_in.is_some(),
+                };
+                let mut ins = vec![q.clone(), k.clone(), v.clone(), dout.clone()];
+                ins.extend(stats_in);
+                check(op, &ins);
+            }
         }
     }
 }
@@ -228,6 +254,7 @@ fn f32_graphs_agree_to_f32_precision() {
         Op::Attention {
             causal: true,
             scale: 0.35,
+            stats: false,
         },
         &[q, k, v],
         1e-5,
@@ -260,6 +287,7 @@ fn picking_a_subset_keeps_the_rest_and_the_graph_structure() {
     let attn = Op::Attention {
         causal: true,
         scale: 0.5,
+        stats: false,
     };
     let out = g
         .push1(attn, vec![q, kv, kv], meta("layers.0.attention"))

@@ -88,8 +88,8 @@ op_kinds! {
     Op::RmsNorm { .. } => [Op::RmsNorm { eps: 0.0 }],
     Op::RmsNormBackward { .. } => [Op::RmsNormBackward { eps: 0.0 }],
     Op::Rope { .. } => [Op::Rope { theta: 0.0, layout: RopeLayout::Half, inverse: false }],
-    Op::Attention { .. } => [Op::Attention { causal: false, scale: 0.0 }],
-    Op::AttentionBackward { .. } => [Op::AttentionBackward { causal: false, scale: 0.0 }],
+    Op::Attention { .. } => [Op::Attention { causal: false, scale: 0.0, stats: false }],
+    Op::AttentionBackward { .. } => [Op::AttentionBackward { causal: false, scale: 0.0, stats: false }],
     Op::Softmax { .. } => [Op::Softmax { axis: 0 }],
     Op::LogSoftmax { .. } => [Op::LogSoftmax { axis: 0 }],
     Op::CrossEntropy => [Op::CrossEntropy],
@@ -492,7 +492,7 @@ fn attention_without_row_term(
     s: &RuleSite<'_>,
     c: Cots,
 ) -> Result<Cots, TypeError> {
-    let Op::Attention { causal, scale } = s.node.op else {
+    let Op::Attention { causal, scale, .. } = s.node.op else {
         unreachable!()
     };
     let (q, k, v) = (input(s, 0), input(s, 1), input(s, 2));
@@ -847,7 +847,11 @@ fn all_cases() -> Vec<Case> {
                 (t(&[2, 2, 5, 3]), Normal),
                 (t(&[2, 2, 5, 3]), Normal),
             ],
-            Op::Attention { causal, scale: 0.6 },
+            Op::Attention {
+                causal,
+                scale: 0.6,
+                stats: false,
+            },
         ));
     }
     cases.push(case(
@@ -1003,6 +1007,7 @@ fn no_rule_cases() -> Vec<Case> {
         Op::AttentionBackward {
             causal: true,
             scale: 0.5,
+            stats: false,
         },
     ));
     cases.push(case(

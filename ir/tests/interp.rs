@@ -299,7 +299,11 @@ fn rope_rotates_known_pairs_and_inverse_undoes_it() {
 }
 
 fn attention(causal: bool, scale: f64) -> Op {
-    Op::Attention { causal, scale }
+    Op::Attention {
+        causal,
+        scale,
+        stats: false,
+    }
 }
 
 #[test]
@@ -703,13 +707,69 @@ fn attention_backward_matches_finite_differences() {
         let v = det(3, &[1, 2, 3, 2]);
         let dout = det(4, &[1, 4, 3, 2]);
         let scale = 0.7;
-        let grads = apply(
-            Op::AttentionBackward { causal, scale },
-            &[q.clone(), k.clone(), v.clone(), dout.clone()],
-        );
-        let fwd = Op::Attention { causal, scale };
-        for (which, grad) in grads.iter().enumerate() {
-            check_grad(&fwd, &[q.clone(), k.clone(), v.clone()], which, &dout, grad);
+        let fwd = attention(causal, scale);
+        // The probabilities softmaxed again, and rebuilt from the forward's statistics.
+        let stats = apply(
+            Op::Attention {
+                causal,
+                scale,
+                stats: true,
+            },
+            &[q.clone(), k.clone(), v.clone()],
+        )
+        .swap_remove(1);
+        for stats_in in [None, Some(stats)] {
+            let mut ins = vec![q.clone(), k.clone(), v.clone(), dout.clone()];
+            let op = Op::AttentionBackward {
+                causal,
+                scale,
+                stats: stats_in.is_some(),
+            };
+            ins.extend(stats_in);
+            let grads = apply(op, &ins);
+            for (which, grad) in grads.iter().enumerate() {
+                check_grad(&fwd, &[q.clone(), k.clone(), v.clone()], which, &dout, grad);
+            }
+        }
+    }
+}
+
+/// The statistics output is each row's max scaled score and its sum of `exp(s - max)`, and
+/// leaves the attention output as it was.
+#[test]
+fn attention_statistics_are_each_rows_max_and_sum() {
+    let (q, k, v) = (
+        det(1, &[1, 2, 3, 2]),
+        det(2, &[1, 1, 3, 2]),
+        det(3, &[1, 1, 3, 2]),
+    );
+    let scale = 0.7;
+    let plain = apply1(attention(true, scale), &[q.clone(), k.clone(), v.clone()]);
+    let outs = apply(
+        Op::Attention {
+            causal: true,
+            scale,
+            stats: true,
+        },
+        &[q.clone(), k.clone(), v],
+    );
+    assert_eq!(outs[0].data, plain.data);
+    assert_eq!(outs[1].shape(), [1, 2, 3, 2]);
+    for h in 0..2 {
+        for i in 0..3 {
+            let qi = &q.data[(h * 3 + i) * 2..][..2];
+            let scores: Vec<f64> = (0..=i)
+                .map(|j| scale * (qi[0] * k.data[2 * j] + qi[1] * k.data[2 * j + 1]))
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let got = &outs[1].data[(h * 3 + i) * 2..][..2];
+            assert_eq!(got[0], max, "head {h} row {i}: max");
+            assert!(
+                (got[1] - sum).abs() < 1e-14,
+                "head {h} row {i}: sum {} vs {sum}",
+                got[1]
+            );
         }
     }
 }

@@ -165,11 +165,12 @@ pub(crate) fn structural_steps(
             inner: shape[axis + 1..].iter().product(),
             dim: shape[*axis],
         },
-        Op::Attention { causal, scale } => Step::Attention {
+        Op::Attention { causal, scale, .. } => Step::Attention {
             out: whole_out,
             q: view_of(n.inputs[0]),
             k: view_of(n.inputs[1]),
             v: view_of(n.inputs[2]),
+            stats: n.outputs.get(1).copied(),
             causal: *causal,
             scale: *scale,
             bf16: g.ty(n.inputs[0]).dtype == DType::BF16,
@@ -218,7 +219,7 @@ pub(crate) fn structural_steps(
             targets: view_of(n.inputs[1]),
             grad: n.inputs[2],
         },
-        Op::AttentionBackward { causal, scale } => Step::AttentionBackward {
+        Op::AttentionBackward { causal, scale, .. } => Step::AttentionBackward {
             dq: View::contiguous(n.outputs[0], &g.ty(n.outputs[0]).shape),
             dk: View::contiguous(n.outputs[1], &g.ty(n.outputs[1]).shape),
             dv: View::contiguous(n.outputs[2], &g.ty(n.outputs[2]).shape),
@@ -226,6 +227,7 @@ pub(crate) fn structural_steps(
             k: view_of(n.inputs[1]),
             v: view_of(n.inputs[2]),
             dout: view_of(n.inputs[3]),
+            stats: n.inputs.get(4).copied(),
             causal: *causal,
             scale: *scale,
             bf16: g.ty(n.inputs[0]).dtype == DType::BF16,

@@ -289,12 +289,15 @@ pub enum Step {
     /// of `q`, `k` and `v` is rounded to bf16 as it is read (the identity on bf16 values; fusion
     /// leaves f32 where it folded their casts), the probabilities are rounded to bf16 where
     /// the product with `v` reads them (as torch's cpu kernel does for bf16), and `out` is
-    /// rounded to bf16; the rest is computed in f32 at least (the interpreter: f64).
+    /// rounded to bf16; the rest is computed in f32 at least (the interpreter: f64). With
+    /// `stats`, each query row's softmax max and sum are written to that contiguous `[B, H, S,
+    /// 2]` f32 value, as the row's softmax computed them (`Op::Attention`'s second output).
     Attention {
         out: View,
         q: View,
         k: View,
         v: View,
+        stats: Option<ValueId>,
         causal: bool,
         scale: f64,
         bf16: bool,
@@ -338,7 +341,9 @@ pub enum Step {
         grad: ValueId,
     },
     /// The gradients of `Attention` for `dout`: `dq` `[B, H, S, D]`, `dk`, `dv` `[B, Hkv, S, D]`,
-    /// views laid out as `Attention`'s `out`; the probabilities are recomputed per head. With
+    /// views laid out as `Attention`'s `out`; the probabilities are recomputed per head: from
+    /// the forward's `stats` (`exp(s - max) / sum`, the same bits as a softmax of the row)
+    /// where given, else by a softmax of each score row. With
     /// `bf16` the operands are rounded to bf16 as they are read (as `Attention`'s), so are the
     /// probabilities and score gradients `ds = p (dp - Σ p dp)` (computed from the unrounded
     /// `p`) where the products read them, and the three gradients as they are stored.
@@ -350,6 +355,7 @@ pub enum Step {
         k: View,
         v: View,
         dout: View,
+        stats: Option<ValueId>,
         causal: bool,
         scale: f64,
         bf16: bool,
@@ -445,9 +451,17 @@ impl Step {
                 grad,
                 ..
             } => vec![logits.base, targets.base, *grad],
-            Step::AttentionBackward { q, k, v, dout, .. } => {
-                vec![q.base, k.base, v.base, dout.base]
-            }
+            Step::AttentionBackward {
+                q,
+                k,
+                v,
+                dout,
+                stats,
+                ..
+            } => [q.base, k.base, v.base, dout.base]
+                .into_iter()
+                .chain(*stats)
+                .collect(),
             Step::CollectiveStart { src, .. } => vec![*src],
             Step::Offload { src, .. } | Step::Reload { src, .. } => vec![*src],
             Step::Wait { handle, src, .. } => vec![*handle, *src],
@@ -483,6 +497,7 @@ impl Step {
     pub fn outputs(&self) -> Vec<ValueId> {
         match self {
             Step::AttentionBackward { dq, dk, dv, .. } => vec![dq.base, dk.base, dv.base],
+            Step::Attention { out, stats, .. } => [out.base].into_iter().chain(*stats).collect(),
             Step::AdamW { updates, .. } => updates
                 .iter()
                 .flat_map(|u| [u.p_out, u.m_out, u.v_out])

@@ -389,13 +389,17 @@ impl<'a> Printer<'a> {
                 q,
                 k,
                 v,
+                stats,
                 causal,
                 scale,
                 bf16,
             } => (
                 format!(
-                    "{kind} {} <- {}",
+                    "{kind} {}{} <- {}",
                     self.write(out),
+                    stats
+                        .map(|s| format!(", {}", self.out(s)))
+                        .unwrap_or_default(),
                     named(&[
                         ("q", self.read(q)),
                         ("k", self.read(k)),
@@ -412,6 +416,7 @@ impl<'a> Printer<'a> {
                 k,
                 v,
                 dout,
+                stats,
                 causal,
                 scale,
                 bf16,
@@ -421,12 +426,17 @@ impl<'a> Printer<'a> {
                     self.write(dq),
                     self.write(dk),
                     self.write(dv),
-                    named(&[
-                        ("q", self.read(q)),
-                        ("k", self.read(k)),
-                        ("v", self.read(v)),
-                        ("dout", self.read(dout)),
-                    ])
+                    named(
+                        &[
+                            ("q", self.read(q)),
+                            ("k", self.read(k)),
+                            ("v", self.read(v)),
+                            ("dout", self.read(dout)),
+                        ]
+                        .into_iter()
+                        .chain(stats.map(|s| ("stats", self.at(s))))
+                        .collect::<Vec<_>>()
+                    )
                 ),
                 attention_attrs(*causal, *scale, *bf16),
             ),

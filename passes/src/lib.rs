@@ -15,6 +15,7 @@ pub mod memory;
 pub mod ac;
 pub mod ac_policy;
 pub mod async_tp;
+pub mod attention_stats;
 pub mod bucket;
 pub mod canonicalize;
 pub mod capture;
@@ -39,6 +40,7 @@ pub(crate) fn register_builtin(r: &mut Registry) {
     ac::register(r);
     ac_policy::register(r);
     async_tp::register(r);
+    attention_stats::register(r);
     bucket::register(r);
     canonicalize::register(r);
     capture::register(r);

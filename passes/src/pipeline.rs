@@ -13,7 +13,14 @@ use std::time::{Duration, Instant};
 /// The tier-1 passes run when the user names none. `gather_bf16` acts only on meshes under
 /// mixed precision. `capture` comes last so that every node the earlier passes leave is
 /// tagged: on cpu its regions are replayed as bound launch lists.
-pub const DEFAULT_PIPELINE: &[&str] = &["canonicalize", "cse", "dce", "gather_bf16", "capture"];
+pub const DEFAULT_PIPELINE: &[&str] = &[
+    "canonicalize",
+    "cse",
+    "dce",
+    "attention_stats",
+    "gather_bf16",
+    "capture",
+];
 
 /// One pipeline entry: a pass name and its optional option string.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

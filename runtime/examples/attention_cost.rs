@@ -3,7 +3,9 @@
 //! f32 and as bf16 attention (on the bf16 GEMM's widest tiles where the cpu has them).
 //! `cargo run --release -p graphtrain-runtime --example attention_cost [f32|bf16] [strided]`
 
-use graphtrain_runtime::cpu::attention::{backward, forward, Dims, Grads, Heads, Products, Qkv};
+use graphtrain_runtime::cpu::attention::{
+    backward, forward, Dims, Grads, Heads, Products, Qkv, Stats,
+};
 use graphtrain_runtime::cpu::bf16_pack::round_in_place;
 use graphtrain_runtime::cpu::gemm::GemmKernel;
 use graphtrain_runtime::cpu::gemm_bf16::{self, Bf16Tiles};
@@ -62,26 +64,40 @@ fn main() {
         other => panic!("unknown precision `{other}`: f32 or bf16"),
     };
     println!("{products:?}");
+    // The forward's row statistics ([B, H, S, 2]) after the eight tensors.
+    arena.extend(std::iter::repeat_n(0.0, b * h * s * 2));
+    let stats = Some(Stats(8 * n));
     let base = arena.as_mut_ptr();
-    for (name, flops) in [("forward", fwd_flops), ("backward", 2.5 * fwd_flops)] {
-        let run = || unsafe {
-            if name == "forward" {
-                forward(base, dims, products, qkv, heads(4))
-            } else {
-                backward(base, dims, products, qkv, heads(3), grads)
-            }
-        };
-        run();
-        let mut best = f64::MAX;
-        for _ in 0..5 {
+    // SAFETY (every call below): the views and the statistics lie in the arena, the outputs
+    // apart from the operands; the forward wrote the statistics the backward reads.
+    unsafe { forward(base, dims, products, qkv, heads(4), stats) };
+    let runs: [(&str, f64, Option<Stats>); 3] = [
+        ("forward", fwd_flops, stats),
+        ("backward (softmax again)", 2.5 * fwd_flops, None),
+        ("backward (forward's statistics)", 2.5 * fwd_flops, stats),
+    ];
+    // Rounds alternate the three, so that a drift of the host's clock shifts all of them.
+    let mut best = [f64::MAX; 3];
+    for _ in 0..5 {
+        for (i, &(name, _, stats)) in runs.iter().enumerate() {
+            let run = || unsafe {
+                if name == "forward" {
+                    forward(base, dims, products, qkv, heads(4), stats)
+                } else {
+                    backward(base, dims, products, qkv, heads(3), stats, grads)
+                }
+            };
+            run();
             let t0 = Instant::now();
             for _ in 0..10 {
                 run();
             }
-            best = best.min(t0.elapsed().as_secs_f64() / 10.0);
+            best[i] = best[i].min(t0.elapsed().as_secs_f64() / 10.0);
         }
+    }
+    for ((name, flops, _), best) in runs.iter().zip(best) {
         println!(
-            "attention {name:<8} {:.2} ms  {:.1} GFLOP/s (causal products)",
+            "attention {name:<32} {:.2} ms  {:.1} GFLOP/s (causal products)",
             best * 1e3,
             flops / best / 1e9
         );

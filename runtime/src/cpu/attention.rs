@@ -137,14 +137,26 @@ unsafe fn mm(
 }
 
 /// One row of probabilities: `live` scaled, masked scores in, `p` out (zeros past `live`).
+/// Returns the row's statistics `(max, sum)`.
 #[inline(always)]
-fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) {
+fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) -> (f32, f32) {
     let (head, rest) = row.split_at_mut(live);
     head.iter_mut().for_each(|x| *x *= scale);
     let max = row_max::<AVX2>(head);
     head.iter_mut().for_each(|x| *x = exp(*x - max));
     let sum = row_sum::<AVX2>(head);
     head.iter_mut().for_each(|x| *x /= sum);
+    rest.fill(0.0);
+    (max, sum)
+}
+
+/// `softmax_row` from the row's given statistics: the same operations on each element in one
+/// pass, so the same bits where they are the ones `softmax_row` returned.
+#[inline(always)]
+fn softmax_row_from(row: &mut [f32], live: usize, scale: f32, (max, sum): (f32, f32)) {
+    let (head, rest) = row.split_at_mut(live);
+    head.iter_mut()
+        .for_each(|x| *x = exp(*x * scale - max) / sum);
     rest.fill(0.0);
 }
 
@@ -193,44 +205,101 @@ fn blocks(d: &Dims, rows: usize) -> impl Iterator<Item = (usize, usize, usize)> 
     })
 }
 
+/// A block's row statistics, two floats (max, sum) a row: computed by its softmax and stored
+/// here, or given (the forward's, read by the backward) and used instead of a softmax.
+enum RowStats<'a> {
+    Compute(&'a mut [f32]),
+    Given(&'a [f32]),
+}
+
+/// One row of a block: its probabilities from `stats`' row `i`, as `RowStats` says.
+#[inline(always)]
+fn block_row(
+    row: &mut [f32],
+    live: usize,
+    scale: f32,
+    stats: &mut RowStats,
+    i: usize,
+    softmax: impl Fn(&mut [f32], usize, f32) -> (f32, f32),
+    from: impl Fn(&mut [f32], usize, f32, (f32, f32)),
+) {
+    match stats {
+        RowStats::Compute(out) => {
+            let (max, sum) = softmax(row, live, scale);
+            out[2 * i] = max;
+            out[2 * i + 1] = sum;
+        }
+        RowStats::Given(given) => from(row, live, scale, (given[2 * i], given[2 * i + 1])),
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn softmax_rows_avx2(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
+unsafe fn softmax_rows_avx2(p: &mut [f32], n: usize, r0: usize, d: &Dims, stats: &mut RowStats) {
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        softmax_row::<true>(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
+        let live = if d.causal { r0 + i + 1 } else { n };
+        block_row(
+            row,
+            live,
+            d.scale,
+            stats,
+            i,
+            softmax_row::<true>,
+            softmax_row_from,
+        );
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
+unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims, stats: &mut RowStats) {
+    use super::rows::x86::{softmax16, softmax16_from};
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
         let live = if d.causal { r0 + i + 1 } else { n };
-        // SAFETY: the feature is enabled here; `live <= n`.
-        unsafe { super::rows::x86::softmax16(row, live, d.scale) };
+        // SAFETY (both closures): the feature is enabled here; `live <= n`.
+        block_row(
+            row,
+            live,
+            d.scale,
+            stats,
+            i,
+            |r, l, s| unsafe { softmax16(r, l, s) },
+            |r, l, s, st| unsafe { softmax16_from(r, l, s, st) },
+        );
     }
 }
 
 /// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head), scaled
-/// and masked in place, into probabilities. Where the cpu has them, AVX-512 (`softmax16`: a
-/// third less time than the AVX2 build in `peer`'s step, docs/benchmarks.md) or the AVX2 build
-/// of the same code run instead. No FMA is formed by any of them (Rust never contracts; the
-/// AVX-512 code uses separate multiplies and adds), so all give the same bits.
-fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims) {
+/// and masked in place, into probabilities, with each row's statistics stored into or taken
+/// from `stats`. Where the cpu has them, AVX-512 (`softmax16`: a third less time than the AVX2
+/// build in `peer`'s step, docs/benchmarks.md) or the AVX2 build of the same code run instead.
+/// No FMA is formed by any of them (Rust never contracts; the AVX-512 code uses separate
+/// multiplies and adds), so all give the same bits, and so do the softmax and its rebuilding
+/// from the statistics it returned.
+fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims, mut stats: RowStats) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: the feature is present.
-        unsafe { softmax_rows_avx512(p, n, r0, d) };
+        unsafe { softmax_rows_avx512(p, n, r0, d, &mut stats) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the feature is present.
-        unsafe { softmax_rows_avx2(p, n, r0, d) };
+        unsafe { softmax_rows_avx2(p, n, r0, d, &mut stats) };
         return;
     }
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        softmax_row::<false>(row, if d.causal { r0 + i + 1 } else { n }, d.scale);
+        let live = if d.causal { r0 + i + 1 } else { n };
+        block_row(
+            row,
+            live,
+            d.scale,
+            &mut stats,
+            i,
+            softmax_row::<false>,
+            softmax_row_from,
+        );
     }
 }
 
@@ -297,7 +366,8 @@ unsafe fn head(
 }
 
 /// The probabilities of rows `r0..r1` of query head `q` over keys `0..n` (`kt`, the head's
-/// keys transposed) into `p` (`(r1 - r0) x n`, row-major).
+/// keys transposed) into `p` (`(r1 - r0) x n`, row-major), each row's statistics stored into
+/// or taken from `stats`.
 ///
 /// # Safety
 /// `q` and `kt` address the heads they name.
@@ -308,6 +378,7 @@ unsafe fn probabilities(
     kt: Mat,
     (r0, r1, n): (usize, usize, usize),
     p: &mut [f32],
+    stats: RowStats,
 ) {
     let p = &mut p[..(r1 - r0) * n];
     // SAFETY: the caller's contract; `p` is our own scratch.
@@ -324,7 +395,7 @@ unsafe fn probabilities(
             p.as_mut_ptr(),
         );
     }
-    softmax_rows(p, n, r0, d);
+    softmax_rows(p, n, r0, d, stats);
 }
 
 /// Calls `f` with this thread's scratch, at least `len` floats, holding whatever the last task
@@ -384,12 +455,33 @@ impl Heads {
     }
 }
 
+/// Where each query row's softmax statistics live: a contiguous `[B, H, S, 2]` value (max,
+/// sum) at this element offset of the arena.
+#[derive(Clone, Copy, Debug)]
+pub struct Stats(pub usize);
+
+impl Stats {
+    /// Element offset of row `r`'s statistics in head `(b, h)`.
+    fn row(self, d: &Dims, (b, h): (usize, usize), r: usize) -> usize {
+        self.0 + ((b * d.heads + h) * d.seq + r) * 2
+    }
+}
+
 /// `out[b, h] = attention(q, k, v)`. `out` is a `[B, H, S, D]` view with contiguous rows
-/// (`strides[3] == 1`): contiguous, or the `[B, S, H, D]` value the next matmul reads.
+/// (`strides[3] == 1`): contiguous, or the `[B, S, H, D]` value the next matmul reads. Each
+/// query row's softmax max and sum go to `stats` where given.
 ///
 /// # Safety
-/// `base` is the arena; the views and `out` lie inside it, `out` overlapping none of them.
-pub unsafe fn forward(base: *mut f32, d: Dims, products: Products, qkv: Qkv, out: Heads) {
+/// `base` is the arena; the views, `out` and `stats` lie inside it, `out` and `stats`
+/// overlapping none of the operands nor each other.
+pub unsafe fn forward(
+    base: *mut f32,
+    d: Dims,
+    products: Products,
+    qkv: Qkv,
+    out: Heads,
+    stats: Option<Stats>,
+) {
     let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
@@ -423,9 +515,19 @@ pub unsafe fn forward(base: *mut f32, d: Dims, products: Products, qkv: Qkv, out
                 // SAFETY: as above.
                 let qh = unsafe { head(products, arena, &q, (b, h), &d, q_copy) };
                 for (r0, r1, n) in blocks(&d, FORWARD_ROWS) {
-                    // SAFETY: the caller's contract; each task writes only its own heads of `out`.
+                    let mut row_stats = [0f32; 2 * FORWARD_ROWS];
+                    // SAFETY: the caller's contract; each task writes only its own heads of `out`
+                    // and `stats`.
                     unsafe {
-                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p);
+                        let block_stats = RowStats::Compute(&mut row_stats);
+                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p, block_stats);
+                        if let Some(stats) = stats {
+                            std::ptr::copy_nonoverlapping(
+                                row_stats.as_ptr(),
+                                arena.0.add(stats.row(&d, (b, h), r0)),
+                                2 * (r1 - r0),
+                            );
+                        }
                         products.round_operand(&mut p[..(r1 - r0) * n]);
                         mm(
                             products,
@@ -465,19 +567,22 @@ pub struct Grads {
 }
 
 /// The gradients of `forward` for `dout` into `grads`. Per query head and row block: the
-/// block's probabilities again, then `ds = p (dout vᵀ - Σ_j ...)`, `dv += pᵀ dout`,
+/// block's probabilities again (from the forward's `stats` where given: one pass over each
+/// score row instead of a softmax, the same bits), then `ds = p (dout vᵀ - Σ_j ...)`, `dv += pᵀ dout`,
 /// `dq = ds k · scale`, `dk += dsᵀ q · scale`; kv gradients summed over heads, then blocks, in
 /// ascending order. (`ds` comes before `dv` so that bf16 attention on the f32 GEMM can round
 /// `p` in place after `ds` has read it in f32.)
 ///
 /// # Safety
-/// As for `forward`; the three outputs overlap nothing they are computed from nor each other.
+/// As for `forward`; the three outputs overlap nothing they are computed from nor each other;
+/// `stats` lies in the arena and holds what `forward` wrote there for the same operands.
 pub unsafe fn backward(
     base: *mut f32,
     d: Dims,
     products: Products,
     qkv: Qkv,
     dout: Heads,
+    stats: Option<Stats>,
     grads: Grads,
 ) {
     let Qkv { q, k, v } = qkv;
@@ -529,9 +634,17 @@ pub unsafe fn backward(
                 };
                 for (r0, r1, n) in blocks(&d, BACKWARD_ROWS) {
                     let rows = r1 - r0;
+                    let mut row_stats = [0f32; 2 * BACKWARD_ROWS];
                     // SAFETY: the caller's contract; each task writes only its own heads.
                     unsafe {
-                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p);
+                        let block_stats = match stats {
+                            Some(stats) => RowStats::Given(std::slice::from_raw_parts(
+                                arena.0.add(stats.row(&d, (b, h), r0)),
+                                2 * rows,
+                            )),
+                            None => RowStats::Compute(&mut row_stats),
+                        };
+                        probabilities(&d, products, qh, kh.t(), (r0, r1, n), p, block_stats);
                         let p = &mut p[..rows * n];
                         let ds = &mut ds[..rows * n];
                         // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place (from the f32 p).
@@ -615,9 +728,13 @@ mod tests {
     use super::*;
     use crate::cpu::rows::tests::row;
 
-    /// Causal softmax rows through `softmax_rows` (a vector build) against the portable loop.
+    /// Causal softmax rows through `softmax_rows` (a vector build) against the portable loop,
+    /// and rebuilt from the statistics each returned.
     #[cfg(target_arch = "x86_64")]
-    fn check_softmax(what: &str, softmax_rows: impl Fn(&mut [f32], usize, usize, &Dims)) {
+    fn check_softmax(
+        what: &str,
+        softmax_rows: impl Fn(&mut [f32], usize, usize, &Dims, &mut RowStats),
+    ) {
         for len in (3..40).chain([255, 256, 257]) {
             let a = row(len, 1);
             let d = Dims {
@@ -631,13 +748,50 @@ mod tests {
             };
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let mut slow = a.repeat(3);
+            let mut slow_stats = Vec::new();
             // Three rows of a causal block starting at row len - 3: row i sees len - 2 + i keys.
             for (i, r) in slow.chunks_exact_mut(len).enumerate() {
-                softmax_row::<false>(r, len - 2 + i, 0.3);
+                let (max, sum) = softmax_row::<false>(r, len - 2 + i, 0.3);
+                slow_stats.extend([max, sum]);
             }
             let mut fast = a.repeat(3);
-            softmax_rows(&mut fast, len, len - 3, &d);
+            let mut stats = [0.0; 6];
+            softmax_rows(
+                &mut fast,
+                len,
+                len - 3,
+                &d,
+                &mut RowStats::Compute(&mut stats),
+            );
             assert_eq!(bits(&fast), bits(&slow), "{what} softmax, len {len}");
+            assert_eq!(
+                bits(&stats),
+                bits(&slow_stats),
+                "{what} statistics, len {len}"
+            );
+            let mut rebuilt = a.repeat(3);
+            softmax_rows(&mut rebuilt, len, len - 3, &d, &mut RowStats::Given(&stats));
+            assert_eq!(
+                bits(&rebuilt),
+                bits(&slow),
+                "{what} from statistics, len {len}"
+            );
+        }
+    }
+
+    /// The portable softmax rebuilt from its own statistics gives its bits.
+    #[test]
+    fn probabilities_rebuilt_from_the_statistics_are_the_softmaxs() {
+        for len in (1..40).chain([255, 256, 257]) {
+            let a = row(len, 3);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for live in [1, len.div_ceil(2), len] {
+                let mut soft = a.clone();
+                let stats = softmax_row::<false>(&mut soft, live, 0.3);
+                let mut rebuilt = a.clone();
+                softmax_row_from(&mut rebuilt, live, 0.3, stats);
+                assert_eq!(bits(&rebuilt), bits(&soft), "len {len}, live {live}");
+            }
         }
     }
 
@@ -654,8 +808,8 @@ mod tests {
             "built on a cpu with AVX2, tested on one without"
         );
         // SAFETY: AVX2 checked above.
-        check_softmax("AVX2", |x, len, r0, d| unsafe {
-            softmax_rows_avx2(x, len, r0, d)
+        check_softmax("AVX2", |x, len, r0, d, stats| unsafe {
+            softmax_rows_avx2(x, len, r0, d, stats)
         });
         for len in (3..40).chain([255, 256, 257]) {
             let (a, b) = (row(len, 1), row(len, 5));
@@ -681,8 +835,8 @@ mod tests {
             "built on a cpu with AVX-512F, tested on one without"
         );
         // SAFETY: AVX-512F checked above.
-        check_softmax("AVX-512", |x, len, r0, d| unsafe {
-            softmax_rows_avx512(x, len, r0, d)
+        check_softmax("AVX-512", |x, len, r0, d, stats| unsafe {
+            softmax_rows_avx512(x, len, r0, d, stats)
         });
     }
 }

@@ -532,6 +532,7 @@ shape {:?} strides {:?}",
                 q,
                 k,
                 v,
+                stats,
                 causal,
                 scale,
                 bf16,
@@ -540,11 +541,19 @@ shape {:?} strides {:?}",
                 let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
                 let out = self.output_heads(out)?;
                 let products = self.attention_products(*bf16);
-                // SAFETY: the views and the output lie in the arena, the output apart from them
-                // (the planner never places an output over a live operand); `products` names
-                // tiles only where the cpu has them.
+                let stats = stats.map(|s| attention::Stats(self.off(s)));
+                // SAFETY: the views and the outputs lie in the arena, the outputs apart from
+                // them and each other (the planner never places an output over a live
+                // operand); `products` names tiles only where the cpu has them.
                 unsafe {
-                    attention::forward(self.base, d, products, attention::Qkv { q, k, v }, out)
+                    attention::forward(
+                        self.base,
+                        d,
+                        products,
+                        attention::Qkv { q, k, v },
+                        out,
+                        stats,
+                    )
                 };
             }
             Step::AdamW {
@@ -605,12 +614,14 @@ shape {:?} strides {:?}",
                 k,
                 v,
                 dout,
+                stats,
                 causal,
                 scale,
                 bf16,
             } => {
                 let d = attention_dims(q, k, *causal, *scale)?;
                 let products = self.attention_products(*bf16);
+                let stats = stats.map(|s| attention::Stats(self.off(s)));
                 let grads = attention::Grads {
                     dq: self.output_heads(dq)?,
                     dk: self.output_heads(dk)?,
@@ -630,6 +641,7 @@ shape {:?} strides {:?}",
                         products,
                         attention::Qkv { q, k, v },
                         dout,
+                        stats,
                         grads,
                     )
                 };

@@ -194,13 +194,13 @@ pub(crate) mod x86 {
     /// last group is masked, so causal rows, whose lengths change one by one, need no scalar
     /// tail. Each element goes through the scalar ops, the max is exact whatever the order,
     /// and the sum is [`reduce`]'s eight lanes in its order, so this gives the portable
-    /// loops' bits (`attention.rs` tests it).
+    /// loops' bits (`attention.rs` tests it). Returns the row's `(max, sum)`.
     ///
     /// # Safety
     /// The cpu has AVX-512F; `live <= row.len()`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub unsafe fn softmax16(row: &mut [f32], live: usize, scale: f32) {
+    pub unsafe fn softmax16(row: &mut [f32], live: usize, scale: f32) -> (f32, f32) {
         let x = row.as_mut_ptr();
         let groups = live.div_ceil(16);
         // Lanes of group `g` that hold live elements.
@@ -213,18 +213,49 @@ pub(crate) mod x86 {
             unsafe { _mm512_mask_storeu_ps(at, k, v) };
             vmax = _mm512_mask_max_ps(vmax, k, vmax, v);
         }
-        let vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        let max = _mm512_reduce_max_ps(vmax);
+        let vmax = _mm512_set1_ps(max);
         for g in 0..groups {
             let (k, at) = (mask(g), unsafe { x.add(g * 16) });
             let v = unsafe { exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, at), vmax)) };
             unsafe { _mm512_mask_storeu_ps(at, k, v) };
         }
         // SAFETY: AVX-512F implies AVX2.
-        let sum = _mm512_set1_ps(unsafe { reduce(&row[..live], &[], Reduce::Sum) });
+        let sum = unsafe { reduce(&row[..live], &[], Reduce::Sum) };
+        let vsum = _mm512_set1_ps(sum);
         for g in 0..groups {
             let (k, at) = (mask(g), unsafe { x.add(g * 16) });
-            let v = _mm512_div_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, sum);
+            let v = _mm512_div_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, vsum);
             unsafe { _mm512_mask_storeu_ps(at, k, v) };
+        }
+        row[live..].fill(0.0);
+        (max, sum)
+    }
+
+    /// `softmax16` from a row's given `(max, sum)` (the forward's, for attention's backward):
+    /// `exp(x * scale - max) / sum` in one pass, the same operations on each element as
+    /// `softmax16`'s three, so the same bits where the statistics are the ones it returned.
+    ///
+    /// # Safety
+    /// The cpu has AVX-512F; `live <= row.len()`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn softmax16_from(row: &mut [f32], live: usize, scale: f32, (max, sum): (f32, f32)) {
+        let x = row.as_mut_ptr();
+        let (vscale, vmax, vsum) = (
+            _mm512_set1_ps(scale),
+            _mm512_set1_ps(max),
+            _mm512_set1_ps(sum),
+        );
+        for g in 0..live.div_ceil(16) {
+            let k = (u32::MAX >> (32 - (live - g * 16).min(16))) as __mmask16;
+            // SAFETY: the mask covers `g*16 .. live` only.
+            unsafe {
+                let at = x.add(g * 16);
+                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, at), vscale);
+                let e = exp16(_mm512_sub_ps(v, vmax));
+                _mm512_mask_storeu_ps(at, k, _mm512_div_ps(e, vsum));
+            }
         }
         row[live..].fill(0.0);
     }

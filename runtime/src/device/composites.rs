@@ -374,19 +374,24 @@ fn softmax_stats(
 /// (`j ≤ i` when `causal == 1`), one unit per query row of `[B, H, S, D]` (`total = B·H·S`);
 /// query head `h` reads kv head `h / (H / Hkv)`. The output's rows are contiguous. The
 /// unnormalized sum is accumulated in the output row, then divided by the softmax's sum.
+/// With `stats`, the row's softmax max and sum go to `s_buf[s_at + 2e ..]` (`[B, H, S, 2]`).
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 pub fn attention_kernel(
     q_buf: &mut [f32],
     k_buf: &mut [f32],
     v_buf: &mut [f32],
     o_buf: &mut [f32],
+    s_buf: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
     o: Heads4,
+    s_at: usize,
     shape: AttentionShape,
     total: usize,
     #[comptime] d: usize,
+    #[comptime] stats: bool,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
@@ -404,6 +409,10 @@ pub fn attention_kernel(
         );
         let mx = stats_i.max;
         let sum = stats_i.sum;
+        if comptime!(stats) {
+            s_buf[s_at + 2 * e] = mx;
+            s_buf[s_at + 2 * e + 1] = sum;
+        }
         #[unroll]
         for x in 0..d {
             o_buf[oi + x] = f32::new(0.0);
@@ -437,7 +446,9 @@ pub fn attention_kernel(
 /// Attention backward, first half: one unit per query row (as `attention_kernel`). With
 /// `p_j = softmax_j(s_j)` and `dp_j = dout_i · v_j`, it stores the row's softmax max, sum and
 /// `δ = Σ_j p_j dp_j` at `stats + 3e` for `attention_kv_backward_kernel`, and writes
-/// `dq_i = (Σ_j p_j (dp_j - δ) k_j) · scale` (accumulated in the output row).
+/// `dq_i = (Σ_j p_j (dp_j - δ) k_j) · scale` (accumulated in the output row). With `given`,
+/// the max and sum are the forward's (`attention_kernel`'s `stats`, at `f_buf[f_at + 2e ..]`)
+/// instead of a pass over the keys of its own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_dq_kernel(
@@ -447,15 +458,18 @@ pub fn attention_dq_kernel(
     g_buf: &mut [f32],
     dq_buf: &mut [f32],
     stats_buf: &mut [f32],
+    f_buf: &mut [f32],
     q: Heads4,
     k: Heads4,
     v: Heads4,
     g: Heads4,
     dq: Heads4,
     stats: usize,
+    f_at: usize,
     shape: AttentionShape,
     total: usize,
     #[comptime] d: usize,
+    #[comptime] given: bool,
 ) {
     let units = CUBE_DIM as usize * CUBE_COUNT;
     let mut e = ABSOLUTE_POS;
@@ -469,9 +483,16 @@ pub fn attention_dq_kernel(
         let vb = v.row(r.b, r.kvh, 0);
         let di = dq.row(r.b, r.h, r.i);
         let round = shape.round_bf16;
-        let stats_i = softmax_stats(
-            q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, round, d,
-        );
+        let stats_i = if comptime!(given) {
+            Softmax {
+                max: f_buf[f_at + 2 * e],
+                sum: f_buf[f_at + 2 * e + 1],
+            }
+        } else {
+            softmax_stats(
+                q_buf, qi, q.s3, k_buf, kb, k.s2, k.s3, keys, scale, round, d,
+            )
+        };
         let mx = stats_i.max;
         let sum = stats_i.sum;
         let mut delta = f32::new(0.0);

@@ -1408,6 +1408,7 @@ and {n} targets",
                 q,
                 k,
                 v,
+                stats,
                 causal,
                 scale,
                 bf16,
@@ -1417,6 +1418,7 @@ and {n} targets",
                 let k4 = self.view4(k, "attention's keys")?;
                 let v4 = self.view4(v, "attention's values")?;
                 let o4 = self.out4(out, "attention's output")?;
+                let out_at = o4.0;
                 let total = d.batch * d.heads * d.seq;
                 if total == 0 || d.head_dim == 0 {
                     return Ok(());
@@ -1426,8 +1428,10 @@ and {n} targets",
                 let (k_buf, k4) = self.heads4(k4);
                 let (v_buf, v4) = self.heads4(v4);
                 let (o_buf, o4) = self.heads4(o4);
-                // SAFETY: the views and the output lie inside the arena, the output apart from
-                // them (the planner never places an output over a live operand).
+                // Without statistics the kernel writes none: the output's buffer stands in.
+                let (s_buf, s_at) = self.operand(stats.map_or(out_at, |s| self.off(s)));
+                // SAFETY: the views and the outputs lie inside the arena, the outputs apart from
+                // them and each other (the planner never places an output over a live operand).
                 unsafe {
                     attention_kernel::launch_unchecked(
                         &self.client,
@@ -1437,13 +1441,16 @@ and {n} targets",
                         k_buf,
                         v_buf,
                         o_buf,
+                        s_buf,
                         q4,
                         k4,
                         v4,
                         o4,
+                        s_at,
                         attention_shape(&d, *bf16),
                         total,
                         d.head_dim,
+                        stats.is_some(),
                     )
                 };
             }
@@ -1455,6 +1462,7 @@ and {n} targets",
                 k,
                 v,
                 dout,
+                stats: given,
                 causal,
                 scale,
                 bf16,
@@ -1482,6 +1490,8 @@ and {n} targets",
                     let (g_buf, g) = self.heads4(g4);
                     let (dq_buf, dq) = self.heads4(dq4);
                     let (stats_buf, stats) = self.operand(scratch);
+                    // Without the forward's statistics the scratch stands in (never read).
+                    let (f_buf, f_at) = self.operand(given.map_or(scratch, |s| self.off(s)));
                     attention_dq_kernel::launch_unchecked(
                         &self.client,
                         count,
@@ -1492,15 +1502,18 @@ and {n} targets",
                         g_buf,
                         dq_buf,
                         stats_buf,
+                        f_buf,
                         q,
                         k,
                         v,
                         g,
                         dq,
                         stats,
+                        f_at,
                         attention_shape(&d, *bf16),
                         rows,
                         d.head_dim,
+                        given.is_some(),
                     );
                     // One launch per query head of a group, in order (see the kernel).
                     for member in 0..d.heads / d.kv_heads {
