@@ -4,7 +4,9 @@
 //! tasks), with two differences in how a task computes its part of C:
 //! * A is packed in 16 x 16-pair chunks (one tile register each: 16 rows of 64 bytes) and k is
 //!   padded with zero pairs to a multiple of 16, in A and in B's panels, so every tile load is
-//!   whole. The padding adds `+0 * 0` to the sums.
+//!   whole. The padding adds `+0 * 0` to the sums. An A stored in 2 bytes with k contiguous,
+//!   k a multiple of 32 and whole 32-row blocks is not packed: the tiles load its rows where
+//!   they lie (`ABlock::in_place`), the same pairs in the same order.
 //! * A block of C is 32 rows x 32 columns, four accumulator tiles; each k chunk loads two A
 //!   tiles and two B tiles (a B panel's 16 pairs x 16 columns, read at the panel's 128-byte row
 //!   stride) and issues four `tdpbf16ps`.
@@ -159,6 +161,42 @@ pub unsafe fn pack_a_columns(
     }
 }
 
+/// Where a 32-row block's A tiles are: its first row tile's first chunk at `at`, `row_bytes`
+/// between a tile's rows, `chunk_bytes` from one k chunk to the next, the second row tile
+/// (16 rows down) `second` bytes after the first.
+#[derive(Clone, Copy)]
+pub struct ABlock {
+    pub at: *const u8,
+    pub row_bytes: usize,
+    pub chunk_bytes: usize,
+    pub second: usize,
+}
+
+impl ABlock {
+    /// A block as `pack_a` lays it out over `chunks` chunks.
+    pub fn packed(at: *const u32, chunks: usize) -> ABlock {
+        let chunk_bytes = TILE_ROWS * TILE_PAIRS * 4;
+        ABlock {
+            at: at.cast(),
+            row_bytes: TILE_PAIRS * 4,
+            chunk_bytes,
+            second: chunks * chunk_bytes,
+        }
+    }
+
+    /// A block read where it lies: 32 rows of halves from `at`, `row_stride` halves apart, k
+    /// contiguous. A tile's row is 16 pairs, 32 consecutive halves of one row of A: the pairs
+    /// `pack_a` would make, in the order it would put them.
+    pub fn in_place(at: *const u16, row_stride: usize) -> ABlock {
+        ABlock {
+            at: at.cast(),
+            row_bytes: 2 * row_stride,
+            chunk_bytes: TILE_PAIRS * 4,
+            second: TILE_ROWS * 2 * row_stride,
+        }
+    }
+}
+
 /// The tile state of one task: configured on creation, released on drop.
 pub struct Tiles(());
 
@@ -196,24 +234,21 @@ impl Tiles {
         Tiles(())
     }
 
-    /// C's 32 x 32 block at `c` (row stride `ldc` floats) = A's two row tiles from `a` (chunk
-    /// `chunks` apart: the next 16 rows) times B's panel from `b`, over `chunks` pair chunks.
+    /// C's 32 x 32 block at `c` (row stride `ldc` floats) = A's two row tiles (`a`) times B's
+    /// panel from `b`, over `chunks` pair chunks.
     ///
     /// # Safety
-    /// `a` must hold `chunks` chunks of both row tiles as `pack_a` lays them out, `b` a panel
-    /// of `chunks * 16` pairs x 32 columns, `c` 32 rows of 32 columns at stride `ldc`;
-    /// `chunks >= 1`.
+    /// `a` must address `chunks` chunks of both row tiles, `b` a panel of `chunks * 16` pairs x
+    /// 32 columns, `c` 32 rows of 32 columns at stride `ldc`; `chunks >= 1`.
     #[cfg(target_arch = "x86_64")]
-    pub unsafe fn block(
-        &self,
-        a: *const u32,
-        b: *const u32,
-        chunks: usize,
-        c: *mut f32,
-        ldc: usize,
-    ) {
-        let chunk_bytes = TILE_ROWS * TILE_PAIRS * 4;
-        let a1 = a.wrapping_add(chunks * TILE_ROWS * TILE_PAIRS);
+    pub unsafe fn block(&self, a: ABlock, b: *const u32, chunks: usize, c: *mut f32, ldc: usize) {
+        let ABlock {
+            at,
+            row_bytes,
+            chunk_bytes,
+            second,
+        } = a;
+        let a1 = at.wrapping_add(second);
         let ldc_bytes = ldc * 4;
         // SAFETY: the caller's contract; the tiles were configured by `configure`.
         unsafe {
@@ -240,11 +275,11 @@ impl Tiles {
                 "tilestored [{c0} + {ldc} * 1 + 64], tmm1",
                 "tilestored [{c1} + {ldc} * 1], tmm2",
                 "tilestored [{c1} + {ldc} * 1 + 64], tmm3",
-                a0 = inout(reg) a => _,
+                a0 = inout(reg) at => _,
                 a1 = inout(reg) a1 => _,
                 b = inout(reg) b => _,
                 n = inout(reg) chunks => _,
-                a_stride = in(reg) TILE_PAIRS * 4,
+                a_stride = in(reg) row_bytes,
                 b_stride = in(reg) BLOCK_COLS * 4,
                 chunk_bytes = in(reg) chunk_bytes,
                 b_chunk_bytes = in(reg) TILE_PAIRS * BLOCK_COLS * 4,

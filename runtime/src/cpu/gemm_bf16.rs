@@ -331,13 +331,23 @@ pub unsafe fn gemm_bf16_to(
     });
     let a_block_len = BLOCK_ROWS * panel_pairs;
     let a_blocks = m.div_ceil(BLOCK_ROWS);
+    // An A of halves with k contiguous in whole tiles and whole blocks: the tiles load it in
+    // place (`ABlock::in_place`), no packing.
+    let a_in_place = match a {
+        Src::Halves(_) if amx && la.col_stride == 1 && k % 32 == 0 && m % BLOCK_ROWS == 0 => {
+            a.halves_at(0)
+        }
+        _ => None,
+    }
+    .map(|_| a);
     let mut packed_a_all_buffer = take_buffer(&PACKED_A_ALL);
-    let packed_a_all = packed_a_all_buffer.u32s(if amx {
+    let packed_a_all = packed_a_all_buffer.u32s(if amx && a_in_place.is_none() {
         batch * a_blocks * a_block_len
     } else {
         0
     });
-    if amx && la.row_stride == 1 && la.col_stride != 1 {
+    let pack_a = amx && a_in_place.is_none();
+    if pack_a && la.row_stride == 1 && la.col_stride != 1 {
         // Transposed A: tasks take ranges of k's chunks over every row (`pack_a_columns`).
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
         let chunks = panel_pairs / TILE_PAIRS;
@@ -359,7 +369,7 @@ pub unsafe fn gemm_bf16_to(
                 )
             };
         });
-    } else if amx {
+    } else if pack_a {
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
         run(batch * a_blocks, &|t| {
             let (bi, block) = (t / a_blocks, t % a_blocks);
@@ -402,9 +412,20 @@ pub unsafe fn gemm_bf16_to(
             // SAFETY: as the register path below: this task's rows of A, its panels' columns
             // of C; `gemm_amx::available()` (the caller's contract).
             #[cfg(target_arch = "x86_64")]
+            let in_place = a_in_place
+                .and_then(|a| a.halves_at(bi * la.batch_stride + rows.start * la.row_stride));
+            let a = match in_place {
+                Some(at) => AmxA::InPlace {
+                    at,
+                    row_stride: la.row_stride,
+                },
+                None => AmxA::Packed(
+                    &packed_a_all[(bi * a_blocks + rows.start / BLOCK_ROWS) * a_block_len..],
+                ),
+            };
             unsafe {
                 amx_task(
-                    &packed_a_all[(bi * a_blocks + rows.start / BLOCK_ROWS) * a_block_len..],
+                    a,
                     height,
                     panel_pairs,
                     &b_packed[b_batch * panels * panel_len..][..panels * panel_len],
@@ -553,17 +574,24 @@ pub unsafe fn gemm_bf16_to(
     keep_buffer(&PACKED_A_ALL, packed_a_all_buffer);
 }
 
+/// A task's rows of A for the tiles: packed (`gemm_amx::pack_a`), or halves read in place.
+#[derive(Clone, Copy)]
+enum AmxA<'a> {
+    Packed(&'a [u32]),
+    InPlace { at: *const u16, row_stride: usize },
+}
+
 /// One task's `height` rows of C (from `c`, row stride `n`) over `panels` of B, on AMX tiles:
-/// 32 x 32 blocks, each over the whole of k, from A's rows packed by `gemm_amx::pack_a` (from
-/// `packed_a`, `panel_pairs` pairs a row); each block rounded to bf16 as it is stored where
-/// `round_c`.
+/// 32 x 32 blocks, each over the whole of k, from A's rows packed by `gemm_amx::pack_a`
+/// (`panel_pairs` pairs a row) or read in place (`AmxA`); each block rounded to bf16 as it is
+/// stored where `round_c`.
 ///
 /// # Safety
 /// As `gemm_bf16`'s: `c` addresses the task's rows of C alone; `gemm_amx::available()`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn amx_task(
-    packed_a: &[u32],
+    a: AmxA,
     height: usize,
     panel_pairs: usize,
     b_panels: &[u32],
@@ -575,7 +603,17 @@ unsafe fn amx_task(
     let chunks = panel_pairs / TILE_PAIRS;
     let blocks = height.div_ceil(BLOCK_ROWS);
     let block_len = BLOCK_ROWS * panel_pairs;
-    assert!(packed_a.len() >= blocks * block_len);
+    let a_block = |block: usize| match a {
+        AmxA::Packed(packed_a) => {
+            gemm_amx::ABlock::packed(packed_a[block * block_len..].as_ptr(), chunks)
+        }
+        AmxA::InPlace { at, row_stride } => {
+            gemm_amx::ABlock::in_place(at.wrapping_add(block * BLOCK_ROWS * row_stride), row_stride)
+        }
+    };
+    if let AmxA::Packed(packed_a) = a {
+        assert!(packed_a.len() >= blocks * block_len);
+    }
     let panel_len = panel_pairs * NR;
     // SAFETY: `gemm_amx::available()` (the caller's contract).
     let tiles = unsafe { gemm_amx::Tiles::configure() };
@@ -610,7 +648,7 @@ unsafe fn amx_task(
         let b_panel = b_panels[panel * panel_len..][..panel_len].as_ptr();
         let cols = (n - panel * NR).min(NR);
         for block in 0..blocks {
-            let a_block = packed_a[block * block_len..].as_ptr();
+            let a_block = a_block(block);
             let live_rows = (height - block * BLOCK_ROWS).min(BLOCK_ROWS);
             let at = c.at(block * BLOCK_ROWS * n + panel * NR);
             let whole = live_rows == BLOCK_ROWS && cols == BLOCK_COLS;
@@ -732,6 +770,58 @@ mod tests {
             eprintln!("this cpu has no AMX: testing the vdpbf16ps tiles only");
         }
         kinds
+    }
+
+    /// An A stored in 2 bytes, row-major in whole tiles and blocks, is read by the AMX tiles
+    /// where it lies (`ABlock::in_place`): the same bits as the same values in f32 slots,
+    /// which are packed. Strided rows (a view) and a batch of two; and a height that is no
+    /// whole number of blocks, which is packed.
+    #[test]
+    fn amx_reads_a_of_halves_in_place_as_it_packs_it() {
+        if !gemm_amx::available() {
+            eprintln!("skipping: this cpu has no AMX tiles");
+            return;
+        }
+        let value = |i: usize| round_bf16(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
+        for &(batch, m, n, k, pad) in &[(2, 64, 40, 64, 32), (1, 96, 33, 96, 0), (1, 40, 16, 32, 0)]
+        {
+            let row_stride = k + pad;
+            let a: Vec<f32> = (0..batch * m * row_stride).map(value).collect();
+            let halves: Vec<u16> = a.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| value(i + 5)).collect();
+            let la = Layout {
+                batch_stride: m * row_stride,
+                row_stride,
+                col_stride: 1,
+            };
+            let lb = Layout {
+                batch_stride: 0,
+                row_stride: n,
+                col_stride: 1,
+            };
+            let run = |a: Src| {
+                let mut c = vec![f32::NAN; batch * m * n];
+                // SAFETY: the buffers hold what the shapes name; AMX is available.
+                unsafe {
+                    gemm_bf16_to(
+                        Bf16Tiles::Amx,
+                        (batch, m, n, k),
+                        (a, la),
+                        (Src::F32(b.as_ptr()), lb),
+                        COut::F32(c.as_mut_ptr()),
+                        2,
+                        false,
+                    )
+                };
+                c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let (in_place, packed) = (run(Src::Halves(halves.as_ptr())), run(Src::F32(a.as_ptr())));
+            let differ = in_place.iter().zip(&packed).filter(|(x, y)| x != y).count();
+            assert!(
+                differ == 0,
+                "({batch},{m},{n},{k}), rows {row_stride} apart: {differ} elements of C differ"
+            );
+        }
     }
 
     /// Against a naive f64 sum of the operands rounded to bf16: within f32 rounding, at odd
