@@ -12,7 +12,7 @@
 //! where a tile load costs more than a `tdpbf16ps`, the loads bound the block, not the
 //! arithmetic (docs/benchmarks.md, "AMX tiles").
 
-use graphtrain_runtime::cpu::gemm_amx::{self, Tiles};
+use graphtrain_runtime::cpu::gemm_amx::{self, ABlock, Tiles};
 use graphtrain_runtime::cpu::lines::LineBuffer;
 use std::time::Instant;
 
@@ -136,7 +136,15 @@ fn block(skew: usize, reps: u64) -> f64 {
     let t0 = Instant::now();
     for _ in 0..calls {
         // SAFETY: as above.
-        unsafe { tiles.block(a.as_ptr(), b.as_ptr(), chunks, c.as_mut_ptr(), 32) };
+        unsafe {
+            tiles.block(
+                ABlock::packed(a.as_ptr(), chunks),
+                b.as_ptr(),
+                chunks,
+                c.as_mut_ptr(),
+                32,
+            )
+        };
     }
     let per_tdp = t0.elapsed().as_secs_f64() / (calls as f64 * chunks as f64 * 4.0);
     drop(tiles);
