@@ -3058,6 +3058,8 @@ fn short_number(v: f64) -> String {
 fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
     match c {
         PassesCommand::List => {
+            // Names in one column, as wide as the longest (plugins' included).
+            let width = registry.infos().map(|i| i.name.len()).max().unwrap_or(0);
             for info in registry.infos() {
                 let option = info
                     .option_help
@@ -3067,7 +3069,7 @@ fn passes_command(c: PassesCommand, registry: &Registry) -> Result<(), String> {
                     Tier::Preserving => "tier 1",
                     Tier::Changing => "tier 2",
                 };
-                say!("{:<14} {tier}  {}{option}", info.name, info.summary);
+                say!("{:<width$} {tier}  {}{option}", info.name, info.summary);
             }
             say!("default pipeline: {}", DEFAULT_PIPELINE.join(","));
             Ok(())
