@@ -212,61 +212,50 @@ enum RowStats<'a> {
     Given(&'a [f32]),
 }
 
-/// One row of a block: its probabilities from `stats`' row `i`, as `RowStats` says.
+/// The rows of a block (`n` wide, its first row is row `r0` of the head) into probabilities:
+/// each row by `softmax`, its statistics stored, or from the given ones by `from`, as `stats`
+/// says.
 #[inline(always)]
-fn block_row(
-    row: &mut [f32],
-    live: usize,
-    scale: f32,
+fn block_rows(
+    p: &mut [f32],
+    (n, r0): (usize, usize),
+    d: &Dims,
     stats: &mut RowStats,
-    i: usize,
     softmax: impl Fn(&mut [f32], usize, f32) -> (f32, f32),
     from: impl Fn(&mut [f32], usize, f32, (f32, f32)),
 ) {
-    match stats {
-        RowStats::Compute(out) => {
-            let (max, sum) = softmax(row, live, scale);
-            out[2 * i] = max;
-            out[2 * i + 1] = sum;
+    for (i, row) in p.chunks_exact_mut(n).enumerate() {
+        let live = if d.causal { r0 + i + 1 } else { n };
+        match stats {
+            RowStats::Compute(out) => {
+                let (max, sum) = softmax(row, live, d.scale);
+                out[2 * i] = max;
+                out[2 * i + 1] = sum;
+            }
+            RowStats::Given(given) => from(row, live, d.scale, (given[2 * i], given[2 * i + 1])),
         }
-        RowStats::Given(given) => from(row, live, scale, (given[2 * i], given[2 * i + 1])),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn softmax_rows_avx2(p: &mut [f32], n: usize, r0: usize, d: &Dims, stats: &mut RowStats) {
-    for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        let live = if d.causal { r0 + i + 1 } else { n };
-        block_row(
-            row,
-            live,
-            d.scale,
-            stats,
-            i,
-            softmax_row::<true>,
-            softmax_row_from,
-        );
-    }
+    block_rows(p, (n, r0), d, stats, softmax_row::<true>, softmax_row_from);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims, stats: &mut RowStats) {
     use super::rows::x86::{softmax16, softmax16_from};
-    for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        let live = if d.causal { r0 + i + 1 } else { n };
-        // SAFETY (both closures): the feature is enabled here; `live <= n`.
-        block_row(
-            row,
-            live,
-            d.scale,
-            stats,
-            i,
-            |r, l, s| unsafe { softmax16(r, l, s) },
-            |r, l, s, st| unsafe { softmax16_from(r, l, s, st) },
-        );
-    }
+    // SAFETY (both closures): the feature is enabled here; `live <= n`.
+    block_rows(
+        p,
+        (n, r0),
+        d,
+        stats,
+        |r, l, s| unsafe { softmax16(r, l, s) },
+        |r, l, s, st| unsafe { softmax16_from(r, l, s, st) },
+    );
 }
 
 /// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head), scaled
@@ -289,18 +278,14 @@ fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims, mut stats: RowStat
         unsafe { softmax_rows_avx2(p, n, r0, d, &mut stats) };
         return;
     }
-    for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        let live = if d.causal { r0 + i + 1 } else { n };
-        block_row(
-            row,
-            live,
-            d.scale,
-            &mut stats,
-            i,
-            softmax_row::<false>,
-            softmax_row_from,
-        );
-    }
+    block_rows(
+        p,
+        (n, r0),
+        d,
+        &mut stats,
+        softmax_row::<false>,
+        softmax_row_from,
+    );
 }
 
 /// One head's `[S, D]` matrix (or its transpose) where the products read it.
