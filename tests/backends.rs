@@ -553,11 +553,32 @@ fn multi_unit_launches_with_odd_sizes() {
 /// Attention and its backward run as one step each (never decomposed on cpu): grouped-query
 /// (4 query heads on 2 kv heads), causal and not, odd sequence and head sizes (7: one block of
 /// query rows; 131: two full blocks of 64 and a partial one), and queries read through a
-/// transpose (a strided view in the fused lowering).
+/// transpose (a strided view in the fused lowering). And the same with the forward's row
+/// statistics (`stats=true`): written by the forward, compared as an output, and read by the
+/// backward instead of a softmax of its own.
 #[test]
 fn attention_forward_and_backward_grouped_query() {
     for s in [7, 131] {
         for causal in [true, false] {
+            check(
+                &format!("attention with statistics seq={s} causal={causal}"),
+                &format!(
+                    "graph g {{
+  input %x: f32[2,{s},4,5]
+  input %k: f32[2,2,{s},5]
+  input %v: f32[2,2,{s},5]
+  input %g: f32[2,4,{s},5]
+  %4: f32[2,4,{s},5] = transpose(%x, perm=[0,2,1,3])
+  %5: f32[2,4,{s},5], %6: f32[2,4,{s},2] = attention(%4, %k, %v, causal={causal}, scale=0.45, stats=true)
+  %7: f32[2,4,{s},5], %8: f32[2,2,{s},5], %9: f32[2,2,{s},5] = attention_backward(%4, %k, %v, %g, %6, causal={causal}, scale=0.45, stats=true)
+  output o = %5
+  output stats = %6
+  output dq = %7
+  output dk = %8
+  output dv = %9
+}}"
+                ),
+            );
             check(
                 &format!("attention seq={s} causal={causal}"),
                 &format!(
