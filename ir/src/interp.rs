@@ -1213,7 +1213,7 @@ fn attention(
     let (s, d, group) = (dims.s, dims.d, dims.group());
     let head = s * d;
     let mut out = vec![0.0; q.data.len()];
-    let mut stats = vec![0.0; q.data.len() / d.max(1) * 2];
+    let mut stats = vec![0.0; q.shape()[..3].iter().product::<usize>() * 2];
     if head == 0 {
         return (out, stats);
     }
