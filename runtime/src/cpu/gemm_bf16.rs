@@ -333,20 +333,18 @@ pub unsafe fn gemm_bf16_to(
     let a_blocks = m.div_ceil(BLOCK_ROWS);
     // An A of halves with k contiguous in whole tiles and whole blocks: the tiles load it in
     // place (`ABlock::in_place`), no packing.
-    let a_in_place = match a {
-        Src::Halves(_) if amx && la.col_stride == 1 && k % 32 == 0 && m % BLOCK_ROWS == 0 => {
-            a.halves_at(0)
-        }
-        _ => None,
-    }
-    .map(|_| a);
+    let a_in_place = amx
+        && matches!(a, Src::Halves(_))
+        && la.col_stride == 1
+        && k % 32 == 0
+        && m % BLOCK_ROWS == 0;
+    let pack_a = amx && !a_in_place;
     let mut packed_a_all_buffer = take_buffer(&PACKED_A_ALL);
-    let packed_a_all = packed_a_all_buffer.u32s(if amx && a_in_place.is_none() {
+    let packed_a_all = packed_a_all_buffer.u32s(if pack_a {
         batch * a_blocks * a_block_len
     } else {
         0
     });
-    let pack_a = amx && a_in_place.is_none();
     if pack_a && la.row_stride == 1 && la.col_stride != 1 {
         // Transposed A: tasks take ranges of k's chunks over every row (`pack_a_columns`).
         let pa = TaskPtr(packed_a_all.as_mut_ptr());
@@ -409,32 +407,33 @@ pub unsafe fn gemm_bf16_to(
         let height = rows.len();
         let b_batch = if b_batches == 1 { 0 } else { bi };
         if amx {
-            // SAFETY: as the register path below: this task's rows of A, its panels' columns
-            // of C; `gemm_amx::available()` (the caller's contract).
             #[cfg(target_arch = "x86_64")]
-            let in_place = a_in_place
-                .and_then(|a| a.halves_at(bi * la.batch_stride + rows.start * la.row_stride));
-            let a = match in_place {
-                Some(at) => AmxA::InPlace {
-                    at,
-                    row_stride: la.row_stride,
-                },
-                None => AmxA::Packed(
-                    &packed_a_all[(bi * a_blocks + rows.start / BLOCK_ROWS) * a_block_len..],
-                ),
-            };
-            unsafe {
-                amx_task(
-                    a,
-                    height,
-                    panel_pairs,
-                    &b_packed[b_batch * panels * panel_len..][..panels * panel_len],
-                    task_panels,
-                    n,
-                    cp.at(bi * m * n + rows.start * n),
-                    round_c,
-                )
-            };
+            {
+                let origin = bi * la.batch_stride + rows.start * la.row_stride;
+                let a = match a.halves_at(origin).filter(|_| a_in_place) {
+                    Some(at) => AmxA::InPlace {
+                        at,
+                        row_stride: la.row_stride,
+                    },
+                    None => AmxA::Packed(
+                        &packed_a_all[(bi * a_blocks + rows.start / BLOCK_ROWS) * a_block_len..],
+                    ),
+                };
+                // SAFETY: as the register path below: this task's rows of A, its panels'
+                // columns of C; `gemm_amx::available()` (the caller's contract).
+                unsafe {
+                    amx_task(
+                        a,
+                        height,
+                        panel_pairs,
+                        &b_packed[b_batch * panels * panel_len..][..panels * panel_len],
+                        task_panels,
+                        n,
+                        cp.at(bi * m * n + rows.start * n),
+                        round_c,
+                    )
+                };
+            }
             return;
         }
         // A's rows of this task in pairs, in whole tiles (rows past `height` are never stored).
@@ -575,6 +574,7 @@ pub unsafe fn gemm_bf16_to(
 }
 
 /// A task's rows of A for the tiles: packed (`gemm_amx::pack_a`), or halves read in place.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 enum AmxA<'a> {
     Packed(&'a [u32]),
