@@ -560,43 +560,38 @@ fn multi_unit_launches_with_odd_sizes() {
 fn attention_forward_and_backward_grouped_query() {
     for s in [7, 131] {
         for causal in [true, false] {
-            check(
-                &format!("attention with statistics seq={s} causal={causal}"),
-                &format!(
-                    "graph g {{
+            for stats in [false, true] {
+                // With statistics: the forward's second output, read by the backward.
+                let (fwd_outs, bwd_stats, attrs, stats_out) = if stats {
+                    (
+                        format!("%5: f32[2,4,{s},5], %6: f32[2,4,{s},2]"),
+                        ", %6",
+                        ", stats=true",
+                        "\n  output stats = %6",
+                    )
+                } else {
+                    (format!("%5: f32[2,4,{s},5]"), "", "", "")
+                };
+                let (dq, dk, dv) = if stats { (7, 8, 9) } else { (6, 7, 8) };
+                check(
+                    &format!("attention seq={s} causal={causal} stats={stats}"),
+                    &format!(
+                        "graph g {{
   input %x: f32[2,{s},4,5]
   input %k: f32[2,2,{s},5]
   input %v: f32[2,2,{s},5]
   input %g: f32[2,4,{s},5]
   %4: f32[2,4,{s},5] = transpose(%x, perm=[0,2,1,3])
-  %5: f32[2,4,{s},5], %6: f32[2,4,{s},2] = attention(%4, %k, %v, causal={causal}, scale=0.45, stats=true)
-  %7: f32[2,4,{s},5], %8: f32[2,2,{s},5], %9: f32[2,2,{s},5] = attention_backward(%4, %k, %v, %g, %6, causal={causal}, scale=0.45, stats=true)
-  output o = %5
-  output stats = %6
-  output dq = %7
-  output dk = %8
-  output dv = %9
+  {fwd_outs} = attention(%4, %k, %v, causal={causal}, scale=0.45{attrs})
+  %{dq}: f32[2,4,{s},5], %{dk}: f32[2,2,{s},5], %{dv}: f32[2,2,{s},5] = attention_backward(%4, %k, %v, %g{bwd_stats}, causal={causal}, scale=0.45{attrs})
+  output o = %5{stats_out}
+  output dq = %{dq}
+  output dk = %{dk}
+  output dv = %{dv}
 }}"
-                ),
-            );
-            check(
-                &format!("attention seq={s} causal={causal}"),
-                &format!(
-                    "graph g {{
-  input %x: f32[2,{s},4,5]
-  input %k: f32[2,2,{s},5]
-  input %v: f32[2,2,{s},5]
-  input %g: f32[2,4,{s},5]
-  %4: f32[2,4,{s},5] = transpose(%x, perm=[0,2,1,3])
-  %5: f32[2,4,{s},5] = attention(%4, %k, %v, causal={causal}, scale=0.45)
-  %6: f32[2,4,{s},5], %7: f32[2,2,{s},5], %8: f32[2,2,{s},5] = attention_backward(%4, %k, %v, %g, causal={causal}, scale=0.45)
-  output o = %5
-  output dq = %6
-  output dk = %7
-  output dv = %8
-}}"
-                ),
-            );
+                    ),
+                );
+            }
         }
     }
 }

@@ -484,16 +484,7 @@ fn attention_probs_and_stats(
 ) -> Result<(ValueId, ValueId), TypeError> {
     let scores = attention_scores(e, q, ke, causal, scale)?;
     let shape = e.shape(scores);
-    let max = e.op(
-        Op::ReduceMax {
-            axes: vec![3],
-            keepdim: true,
-        },
-        vec![scores],
-    )?;
-    let wide_max = e.expand(max, shape.clone())?;
-    let shifted = e.sub(scores, wide_max)?;
-    let exp = e.unary(UnaryOp::Exp, shifted)?;
+    let (max, _, exp) = shifted_exp(e, scores, 3)?;
     let sum = e.reduce_sum(exp, vec![3], true)?;
     let wide_sum = e.expand(sum, shape)?;
     let p = e.div(exp, wide_sum)?;
@@ -585,7 +576,12 @@ fn attention_backward(
     Ok(vec![dq, dk, dv])
 }
 
-fn softmax(e: &mut Emit, x: ValueId, axis: usize, log: bool) -> R {
+/// A softmax's first steps along `axis`: the max (kept as size 1), `x - max` and its `exp`.
+fn shifted_exp(
+    e: &mut Emit,
+    x: ValueId,
+    axis: usize,
+) -> Result<(ValueId, ValueId, ValueId), TypeError> {
     let shape = e.shape(x);
     let max = e.op(
         Op::ReduceMax {
@@ -594,9 +590,15 @@ fn softmax(e: &mut Emit, x: ValueId, axis: usize, log: bool) -> R {
         },
         vec![x],
     )?;
-    let max = e.expand(max, shape.clone())?;
-    let shifted = e.sub(x, max)?;
+    let wide_max = e.expand(max, shape)?;
+    let shifted = e.sub(x, wide_max)?;
     let exp = e.unary(UnaryOp::Exp, shifted)?;
+    Ok((max, shifted, exp))
+}
+
+fn softmax(e: &mut Emit, x: ValueId, axis: usize, log: bool) -> R {
+    let shape = e.shape(x);
+    let (_, shifted, exp) = shifted_exp(e, x, axis)?;
     if log {
         // The log of each row's sum, then broadcast: one log per row, not per element.
         let sum = e.reduce_sum(exp, vec![axis], true)?;
