@@ -1420,10 +1420,13 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
 /// kernels kept the probabilities in f32, as the interpreter once did, the cpu's dq was 5.3 x
 /// 2^-8 off and every output 3e-3 of its norm), with
 /// grouped-query heads, masked and not, odd lengths, and a head of 40 (pairs past one AMX tile
-/// row). Fused, the casts of q, k, v and the output gradient fold into the attention steps
+/// row; and heads of 32 and 64, which run on AMX as whole tile blocks, `attention_amx.rs`).
+/// Fused, the casts of q, k, v and the output gradient fold into the attention steps
 /// (which round as they read), and the results are written through their widening casts
 /// straight into the transposed readers: bit for bit the eager Program, with every GEMM kernel
-/// on cpu (AMX tiles, `vdpbf16ps`, the f32 GEMM on rounded copies).
+/// on cpu (AMX tiles, `vdpbf16ps`, the f32 GEMM on rounded copies). With the forward's row
+/// statistics read by the backward (`stats=true`), every result is the one without, bit for
+/// bit: the backward rebuilds the forward's probabilities exactly.
 #[test]
 fn bf16_attention_matches_the_interpreter_on_every_kernel() {
     let mut kernels = vec![
@@ -1434,84 +1437,111 @@ fn bf16_attention_matches_the_interpreter_on_every_kernel() {
     for backend in device_backends() {
         kernels.push((backend, GemmKernel::Widest));
     }
-    for s in [7, 131] {
+    let shapes = [(7, 40), (131, 40), (7, 32), (131, 32), (45, 64)];
+    for (s, d) in shapes {
         for causal in [true, false] {
-            let src = format!(
+            let mut with_and_without = Vec::new();
+            for stats in [false, true] {
+                // With statistics: the forward's second output, read by the backward.
+                let (stats_out, bwd_stats, attrs) = if stats {
+                    (format!(", %19: f32[2,4,{s},2]"), ", %19", ", stats=true")
+                } else {
+                    (String::new(), "", "")
+                };
+                let src = format!(
                 "graph g {{
-  input %x: f32[2,{s},4,40]
-  input %k: f32[2,2,{s},40]
-  input %v: f32[2,2,{s},40]
-  input %g: f32[2,4,{s},40]
-  %4: f32[2,4,{s},40] = transpose(%x, perm=[0,2,1,3])
-  %5: bf16[2,4,{s},40] = cast(%4, dtype=bf16)
-  %6: bf16[2,2,{s},40] = cast(%k, dtype=bf16)
-  %7: bf16[2,2,{s},40] = cast(%v, dtype=bf16)
-  %8: bf16[2,4,{s},40] = cast(%g, dtype=bf16)
-  %9: bf16[2,4,{s},40] = attention(%5, %6, %7, causal={causal}, scale=0.45)
-  %10: f32[2,4,{s},40] = cast(%9, dtype=f32)
-  %11: f32[2,{s},4,40] = transpose(%10, perm=[0,2,1,3])
-  %12: bf16[2,4,{s},40], %13: bf16[2,2,{s},40], %14: bf16[2,2,{s},40] = attention_backward(%5, %6, %7, %8, causal={causal}, scale=0.45)
-  %15: f32[2,4,{s},40] = cast(%12, dtype=f32)
-  %16: f32[2,{s},4,40] = transpose(%15, perm=[0,2,1,3])
-  %17: f32[2,2,{s},40] = cast(%13, dtype=f32)
-  %18: f32[2,2,{s},40] = cast(%14, dtype=f32)
+  input %x: f32[2,{s},4,{d}]
+  input %k: f32[2,2,{s},{d}]
+  input %v: f32[2,2,{s},{d}]
+  input %g: f32[2,4,{s},{d}]
+  %4: f32[2,4,{s},{d}] = transpose(%x, perm=[0,2,1,3])
+  %5: bf16[2,4,{s},{d}] = cast(%4, dtype=bf16)
+  %6: bf16[2,2,{s},{d}] = cast(%k, dtype=bf16)
+  %7: bf16[2,2,{s},{d}] = cast(%v, dtype=bf16)
+  %8: bf16[2,4,{s},{d}] = cast(%g, dtype=bf16)
+  %9: bf16[2,4,{s},{d}]{stats_out} = attention(%5, %6, %7, causal={causal}, scale=0.45{attrs})
+  %10: f32[2,4,{s},{d}] = cast(%9, dtype=f32)
+  %11: f32[2,{s},4,{d}] = transpose(%10, perm=[0,2,1,3])
+  %12: bf16[2,4,{s},{d}], %13: bf16[2,2,{s},{d}], %14: bf16[2,2,{s},{d}] = attention_backward(%5, %6, %7, %8{bwd_stats}, causal={causal}, scale=0.45{attrs})
+  %15: f32[2,4,{s},{d}] = cast(%12, dtype=f32)
+  %16: f32[2,{s},4,{d}] = transpose(%15, perm=[0,2,1,3])
+  %17: f32[2,2,{s},{d}] = cast(%13, dtype=f32)
+  %18: f32[2,2,{s},{d}] = cast(%14, dtype=f32)
   output o = %11
   output dq = %16
   output dk = %17
   output dv = %18
 }}"
             );
-            let g = text::parse(&src).unwrap();
-            graphtrain_ir::verify::verify(&g).unwrap();
-            let names = output_names(&g);
-            let fused = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
-            let written: Vec<usize> = fused
-                .steps
-                .iter()
-                .flat_map(|s| s.outputs())
-                .map(|v| v.index())
-                .collect();
-            assert!(
-                [5, 6, 7, 8, 10, 15].iter().all(|v| !written.contains(v)),
-                "the casts did not fold into the attention steps:\n{fused}"
-            );
-            for seed in 0..2 {
-                let inputs = random_inputs(&g, seed);
-                let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-                for &(backend, gemm) in &kernels {
-                    let options = RuntimeOptions {
-                        gemm_kernel: gemm,
-                        ..RuntimeOptions::default()
-                    };
-                    let mut runs = Vec::new();
-                    for mode in [Mode::Eager, Mode::Fused] {
-                        let what = format!(
-                            "bf16 attention s={s} causal={causal}, {backend} {mode:?} {gemm:?} \
-(seed {seed})"
+                let g = text::parse(&src).unwrap_or_else(|e| panic!("{e}\n{src}"));
+                graphtrain_ir::verify::verify(&g).unwrap();
+                let names = output_names(&g);
+                let fused = graphtrain_lowering::lower(&g, Mode::Fused).unwrap();
+                let written: Vec<usize> = fused
+                    .steps
+                    .iter()
+                    .flat_map(|s| s.outputs())
+                    .map(|v| v.index())
+                    .collect();
+                assert!(
+                    // The casts' values (numbered in order of definition: the statistics, where
+                    // present, are the tenth).
+                    [5, 6, 7, 8, 10 + stats as usize, 15 + stats as usize]
+                        .iter()
+                        .all(|v| !written.contains(v)),
+                    "the casts did not fold into the attention steps:\n{fused}"
+                );
+                for seed in 0..2 {
+                    let inputs = random_inputs(&g, seed);
+                    let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
+                    for &(backend, gemm) in &kernels {
+                        let options = RuntimeOptions {
+                            gemm_kernel: gemm,
+                            ..RuntimeOptions::default()
+                        };
+                        let mut runs = Vec::new();
+                        for mode in [Mode::Eager, Mode::Fused] {
+                            let what = format!(
+                            "bf16 attention s={s} d={d} causal={causal} stats={stats}, {backend} {mode:?} \
+{gemm:?} (seed {seed})"
                         );
-                        let got = run_once_with(&g, backend, mode, options.clone(), &inputs)
-                            .unwrap_or_else(|e| panic!("{what}: {e}"));
-                        assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 64.0));
-                        for (name, t) in names.iter().zip(&got) {
-                            for x in &t.data {
-                                let bits = (*x as f32).to_bits();
-                                assert_eq!(bits & 0xFFFF, 0, "{what}: {name} holds {x}, not bf16");
+                            let got = run_once_with(&g, backend, mode, options.clone(), &inputs)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                            assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 64.0));
+                            for (name, t) in names.iter().zip(&got) {
+                                for x in &t.data {
+                                    let bits = (*x as f32).to_bits();
+                                    assert_eq!(
+                                        bits & 0xFFFF,
+                                        0,
+                                        "{what}: {name} holds {x}, not bf16"
+                                    );
+                                }
                             }
+                            runs.push(got);
                         }
-                        runs.push(got);
-                    }
-                    let bits = |r: &Vec<HostTensor>| -> Vec<u64> {
-                        r.iter()
-                            .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
-                            .collect()
-                    };
-                    assert_eq!(
+                        let bits = |r: &Vec<HostTensor>| -> Vec<u64> {
+                            r.iter()
+                                .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
+                                .collect()
+                        };
+                        assert_eq!(
                         bits(&runs[0]),
                         bits(&runs[1]),
-                        "bf16 attention s={s} causal={causal}, {backend} {gemm:?} (seed {seed}): \
-fused differs from eager"
+                        "bf16 attention s={s} d={d} causal={causal} stats={stats}, {backend} {gemm:?} \
+(seed {seed}): fused differs from eager"
                     );
+                        with_and_without.push(((seed, backend, gemm), bits(&runs[0])));
+                    }
                 }
+            }
+            let (without, with) = with_and_without.split_at(with_and_without.len() / 2);
+            for ((run, a), (_, b)) in without.iter().zip(with) {
+                assert!(
+                    a == b,
+                    "bf16 attention s={s} d={d} causal={causal}, {run:?}: the backward from the \
+forward's statistics differs from the one without"
+                );
             }
         }
     }

@@ -13,7 +13,8 @@
 //!
 //! Numerics (f32, the decomposition `softmax(q kᵀ · scale + mask) v` op for op, except that
 //! row sums and maxima take eight lanes combined pairwise and `exp` is our own, about 1 ulp):
-//! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) / sum`; backward
+//! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) * (1 / sum)` (a multiply:
+//! a vector divide was a quarter of the softmax's time, `perf annotate`); backward
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
 //!
@@ -145,7 +146,8 @@ fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) -> (f
     let max = row_max::<AVX2>(head);
     head.iter_mut().for_each(|x| *x = exp(*x - max));
     let sum = row_sum::<AVX2>(head);
-    head.iter_mut().for_each(|x| *x /= sum);
+    let inv = 1.0 / sum;
+    head.iter_mut().for_each(|x| *x *= inv);
     rest.fill(0.0);
     (max, sum)
 }
@@ -156,7 +158,7 @@ fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) -> (f
 fn softmax_row_from(row: &mut [f32], live: usize, scale: f32, (max, sum): (f32, f32)) {
     let (head, rest) = row.split_at_mut(live);
     head.iter_mut()
-        .for_each(|x| *x = exp(*x * scale - max) / sum);
+        .for_each(|x| *x = exp(*x * scale - max) * (1.0 / sum));
     rest.fill(0.0);
 }
 
@@ -178,7 +180,7 @@ unsafe fn softmax_grad_rows_avx2(p: &[f32], ds: &mut [f32], n: usize) {
 }
 
 /// `softmax_grad_rows` in its AVX2 build where the cpu has it (same bits, see `row_max`).
-fn softmax_grad(p: &[f32], ds: &mut [f32], n: usize) {
+pub(super) fn softmax_grad(p: &[f32], ds: &mut [f32], n: usize) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the feature is present.
@@ -207,7 +209,7 @@ fn blocks(d: &Dims, rows: usize) -> impl Iterator<Item = (usize, usize, usize)> 
 
 /// A block's row statistics, two floats (max, sum) a row: computed by its softmax and stored
 /// here, or given (the forward's, read by the backward) and used instead of a softmax.
-enum RowStats<'a> {
+pub(super) enum RowStats<'a> {
     Compute(&'a mut [f32]),
     Given(&'a [f32]),
 }
@@ -225,7 +227,7 @@ fn block_rows(
     from: impl Fn(&mut [f32], usize, f32, (f32, f32)),
 ) {
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        let live = if d.causal { r0 + i + 1 } else { n };
+        let live = if d.causal { r0 + i + 1 } else { n.min(d.seq) };
         match stats {
             RowStats::Compute(out) => {
                 let (max, sum) = softmax(row, live, d.scale);
@@ -258,14 +260,14 @@ unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims, stat
     );
 }
 
-/// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head), scaled
-/// and masked in place, into probabilities, with each row's statistics stored into or taken
+/// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head; keys past
+/// the sequence, where `n` is wider, are masked), scaled and masked in place, into probabilities, with each row's statistics stored into or taken
 /// from `stats`. Where the cpu has them, AVX-512 (`softmax16`: a third less time than the AVX2
 /// build in `peer`'s step, docs/benchmarks.md) or the AVX2 build of the same code run instead.
 /// No FMA is formed by any of them (Rust never contracts; the AVX-512 code uses separate
 /// multiplies and adds), so all give the same bits, and so do the softmax and its rebuilding
 /// from the statistics it returned.
-fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims, mut stats: RowStats) {
+pub(super) fn softmax_rows(p: &mut [f32], n: usize, r0: usize, d: &Dims, mut stats: RowStats) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: the feature is present.
@@ -388,7 +390,7 @@ unsafe fn probabilities(
 /// their zeroed buffers on every call (64 per launch): `memset`, `calloc` and `free` were
 /// about 3% of attention's samples under `perf`, and with this the forward runs about 5% and
 /// the backward 1-2% faster (alternated in one process, `attention_cost`'s shape).
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+pub(super) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     thread_local! {
         // On a cache line: the products' tiles store `p` and the partial gradients into it.
         static SCRATCH: RefCell<LineBuffer> = const { RefCell::new(LineBuffer::new()) };
@@ -419,7 +421,7 @@ impl Heads {
     ///
     /// # Safety
     /// The head lies in the arena and no other task writes it.
-    unsafe fn write_rows(
+    pub(super) unsafe fn write_rows(
         &self,
         arena: Arena,
         (b, h): (usize, usize),
@@ -447,9 +449,22 @@ pub struct Stats(pub usize);
 
 impl Stats {
     /// Element offset of row `r`'s statistics in head `(b, h)`.
-    fn row(self, d: &Dims, (b, h): (usize, usize), r: usize) -> usize {
+    pub(super) fn row(self, d: &Dims, (b, h): (usize, usize), r: usize) -> usize {
         self.0 + ((b * d.heads + h) * d.seq + r) * 2
     }
+}
+
+/// Whether bf16 products on AMX run as `attention_amx`'s tile blocks: where the head dim is
+/// whole tile blocks (`attention_amx::applies`).
+#[cfg(target_arch = "x86_64")]
+fn on_tiles(products: Products, d: &Dims) -> bool {
+    matches!(
+        products,
+        Products::Bf16 {
+            tiles: Some(Bf16Tiles::Amx),
+            ..
+        }
+    ) && super::attention_amx::applies(d)
 }
 
 /// `out[b, h] = attention(q, k, v)`. `out` is a `[B, H, S, D]` view with contiguous rows
@@ -467,6 +482,12 @@ pub unsafe fn forward(
     out: Heads,
     stats: Option<Stats>,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if on_tiles(products, &d) {
+        // SAFETY: the caller's contract; `on_tiles` checked AMX and the head dim.
+        unsafe { super::attention_amx::forward(base, d, qkv, out, stats) };
+        return;
+    }
     let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;
@@ -570,6 +591,12 @@ pub unsafe fn backward(
     stats: Option<Stats>,
     grads: Grads,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if on_tiles(products, &d) {
+        // SAFETY: the caller's contract; `on_tiles` checked AMX and the head dim.
+        unsafe { super::attention_amx::backward(base, d, qkv, dout, stats, grads) };
+        return;
+    }
     let Qkv { q, k, v } = qkv;
     let arena = TaskPtr(base);
     let group = d.heads / d.kv_heads;

@@ -294,6 +294,26 @@ pub unsafe fn row_pairs_halves(x: *const u16, k: usize, out: *mut u32, stride: u
 #[cfg(target_arch = "x86_64")]
 pub use simd::{columns_to_rows, columns_to_rows_halves, rows_to_columns};
 
+/// A row of `k` elements as tile rows of 16 pairs: pairs `16c..16c + 16` (zeros past k's) to
+/// the 16 lanes at `out + c * chunk_stride`, for every chunk c of `k.div_ceil(32)`. (An AMX A
+/// row, straight into its chunks: through a row of pairs and a copy per chunk, packing the
+/// probabilities spent as long in `memmove` as in the packing itself.)
+///
+/// # Safety
+/// `k` elements readable from `x`; 16 lanes writable at each chunk's place; AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn row_chunks(x: *const f32, k: usize, out: *mut u32, chunk_stride: usize) {
+    for c in 0..k.div_ceil(32) {
+        // SAFETY: the chunk's live elements are inside the row; its 16 lanes are writable
+        // (the caller's contract).
+        unsafe {
+            let lanes = simd::neighbours(x.add(32 * c), (k - 32 * c).min(32));
+            simd::store_strided(lanes, out.add(c * chunk_stride), 1, 16);
+        }
+    }
+}
+
 /// Packing 16 pairs at a time: `round_bf16` on integer lanes (so denormals round as the cast
 /// kernels round them, which `vcvtne2ps2bf16` would flush), then each pair's two high halves
 /// into one lane.

@@ -25,7 +25,7 @@
 //! its first tile instruction and releases the tiles after its last, so a thread that is not
 //! in a GEMM carries no tile state.
 
-use super::bf16_pack::{self, neighbours, pair, Src};
+use super::bf16_pack::{self, pair, Src};
 use super::gemm::Layout;
 use std::sync::OnceLock;
 
@@ -79,14 +79,27 @@ pub unsafe fn pack_a(a: Src, la: Layout, height: usize, k: usize, out: &mut [u32
         };
         return;
     }
+    // Rows in f32 slots: each row's chunks written where they go.
+    #[cfg(target_arch = "x86_64")]
+    if let (Src::F32(a), 1) = (a, la.col_stride) {
+        for r in 0..height {
+            let (t, lane) = (r / TILE_ROWS, r % TILE_ROWS);
+            // SAFETY: row r holds k elements (the caller's contract); the row's lanes of its
+            // tile's chunks are inside `out` (asserted); AVX-512F.
+            unsafe {
+                bf16_pack::row_chunks(
+                    a.add(r * la.row_stride),
+                    k,
+                    out.as_mut_ptr().add(chunk_at(t, 0) + lane * TILE_PAIRS),
+                    chunk_len,
+                )
+            };
+        }
+        return;
+    }
     let mut row_pairs = vec![0u32; chunks * TILE_PAIRS];
     for r in 0..height {
         match a {
-            Src::F32(a) if la.col_stride == 1 => {
-                // SAFETY: row r holds k elements (the caller's contract).
-                let row = unsafe { std::slice::from_raw_parts(a.add(r * la.row_stride), k) };
-                neighbours(row, &mut row_pairs, 1);
-            }
             // SAFETY: row r holds k halves (the caller's contract); `row_pairs` its pairs.
             Src::Halves(a) if la.col_stride == 1 => unsafe {
                 bf16_pack::row_pairs_halves(a.add(r * la.row_stride), k, row_pairs.as_mut_ptr(), 1)
@@ -242,55 +255,103 @@ impl Tiles {
     /// 32 columns, `c` 32 rows of 32 columns at stride `ldc`; `chunks >= 1`.
     #[cfg(target_arch = "x86_64")]
     pub unsafe fn block(&self, a: ABlock, b: *const u32, chunks: usize, c: *mut f32, ldc: usize) {
+        // SAFETY: the caller's contract; the tiles were configured by `configure`.
+        unsafe {
+            block_asm!(
+                a,
+                b,
+                chunks,
+                c,
+                ldc,
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+            )
+        }
+    }
+
+    /// `block`, adding to the 32 x 32 block of C at `c` instead of overwriting it: the
+    /// accumulator tiles start from C (a sum over several products, kept in f32 in C).
+    ///
+    /// # Safety
+    /// As `block`'s; C's block is read as well as written.
+    #[cfg(target_arch = "x86_64")]
+    pub unsafe fn block_add(
+        &self,
+        a: ABlock,
+        b: *const u32,
+        chunks: usize,
+        c: *mut f32,
+        ldc: usize,
+    ) {
+        // SAFETY: the caller's contract; the tiles were configured by `configure`.
+        unsafe {
+            block_asm!(
+                a,
+                b,
+                chunks,
+                c,
+                ldc,
+                "tileloadd tmm0, [{c0} + {ldc} * 1]",
+                "tileloadd tmm1, [{c0} + {ldc} * 1 + 64]",
+                "tileloadd tmm2, [{c1} + {ldc} * 1]",
+                "tileloadd tmm3, [{c1} + {ldc} * 1 + 64]",
+            )
+        }
+    }
+}
+
+/// The tile loop of `Tiles::block` and `Tiles::block_add`, after `start` (the four lines that
+/// set the accumulator tiles: zeroed, or loaded from C): per k chunk, two A tiles, two B tiles
+/// and four `tdpbf16ps`; then the accumulators stored to C.
+#[cfg(target_arch = "x86_64")]
+macro_rules! block_asm {
+    ($a:expr, $b:expr, $chunks:expr, $c:expr, $ldc:expr, $($start:literal,)*) => {{
         let ABlock {
             at,
             row_bytes,
             chunk_bytes,
             second,
-        } = a;
+        } = $a;
         let a1 = at.wrapping_add(second);
-        let ldc_bytes = ldc * 4;
-        // SAFETY: the caller's contract; the tiles were configured by `configure`.
-        unsafe {
-            std::arch::asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "2:",
-                "tileloadd tmm4, [{a0} + {a_stride} * 1]",
-                "tileloadd tmm5, [{a1} + {a_stride} * 1]",
-                "tileloadd tmm6, [{b} + {b_stride} * 1]",
-                "tileloadd tmm7, [{b} + {b_stride} * 1 + 64]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {a0}, {chunk_bytes}",
-                "add {a1}, {chunk_bytes}",
-                "add {b}, {b_chunk_bytes}",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c0} + {ldc} * 1], tmm0",
-                "tilestored [{c0} + {ldc} * 1 + 64], tmm1",
-                "tilestored [{c1} + {ldc} * 1], tmm2",
-                "tilestored [{c1} + {ldc} * 1 + 64], tmm3",
-                a0 = inout(reg) at => _,
-                a1 = inout(reg) a1 => _,
-                b = inout(reg) b => _,
-                n = inout(reg) chunks => _,
-                a_stride = in(reg) row_bytes,
-                b_stride = in(reg) BLOCK_COLS * 4,
-                chunk_bytes = in(reg) chunk_bytes,
-                b_chunk_bytes = in(reg) TILE_PAIRS * BLOCK_COLS * 4,
-                c0 = in(reg) c,
-                c1 = in(reg) c.wrapping_add(TILE_ROWS * ldc),
-                ldc = in(reg) ldc_bytes,
-                options(nostack),
-            );
-        }
-    }
+        std::arch::asm!(
+            $($start,)*
+            "2:",
+            "tileloadd tmm4, [{a0} + {a_stride} * 1]",
+            "tileloadd tmm5, [{a1} + {a_stride} * 1]",
+            "tileloadd tmm6, [{b} + {b_stride} * 1]",
+            "tileloadd tmm7, [{b} + {b_stride} * 1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, {chunk_bytes}",
+            "add {a1}, {chunk_bytes}",
+            "add {b}, {b_chunk_bytes}",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c0} + {ldc} * 1], tmm0",
+            "tilestored [{c0} + {ldc} * 1 + 64], tmm1",
+            "tilestored [{c1} + {ldc} * 1], tmm2",
+            "tilestored [{c1} + {ldc} * 1 + 64], tmm3",
+            a0 = inout(reg) at => _,
+            a1 = inout(reg) a1 => _,
+            b = inout(reg) $b => _,
+            n = inout(reg) $chunks => _,
+            a_stride = in(reg) row_bytes,
+            b_stride = in(reg) BLOCK_COLS * 4,
+            chunk_bytes = in(reg) chunk_bytes,
+            b_chunk_bytes = in(reg) TILE_PAIRS * BLOCK_COLS * 4,
+            c0 = in(reg) $c,
+            c1 = in(reg) $c.wrapping_add(TILE_ROWS * $ldc),
+            ldc = in(reg) $ldc * 4,
+            options(nostack),
+        )
+    }};
 }
+#[cfg(target_arch = "x86_64")]
+use block_asm;
 
 #[cfg(target_arch = "x86_64")]
 impl Drop for Tiles {

@@ -16,6 +16,8 @@
 
 pub mod adamw;
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_amx;
 pub mod bf16_pack;
 pub mod cross_entropy;
 pub mod gemm;
