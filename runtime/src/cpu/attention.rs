@@ -13,8 +13,7 @@
 //!
 //! Numerics (f32, the decomposition `softmax(q kᵀ · scale + mask) v` op for op, except that
 //! row sums and maxima take eight lanes combined pairwise and `exp` is our own, about 1 ulp):
-//! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) * (1 / sum)` (a multiply:
-//! a vector divide was a quarter of the softmax's time, `perf annotate`); backward
+//! `s = (q·k) * scale`, masked entries are -inf, `p = exp(s - max) / sum`; backward
 //! `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p (dp - Σ_j p dp)`, `dq = (ds k) * scale`,
 //! `dk = (dsᵀ q) * scale`.
 //!
@@ -146,8 +145,7 @@ fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) -> (f
     let max = row_max::<AVX2>(head);
     head.iter_mut().for_each(|x| *x = exp(*x - max));
     let sum = row_sum::<AVX2>(head);
-    let inv = 1.0 / sum;
-    head.iter_mut().for_each(|x| *x *= inv);
+    head.iter_mut().for_each(|x| *x /= sum);
     rest.fill(0.0);
     (max, sum)
 }
@@ -158,7 +156,7 @@ fn softmax_row<const AVX2: bool>(row: &mut [f32], live: usize, scale: f32) -> (f
 fn softmax_row_from(row: &mut [f32], live: usize, scale: f32, (max, sum): (f32, f32)) {
     let (head, rest) = row.split_at_mut(live);
     head.iter_mut()
-        .for_each(|x| *x = exp(*x * scale - max) * (1.0 / sum));
+        .for_each(|x| *x = exp(*x * scale - max) / sum);
     rest.fill(0.0);
 }
 

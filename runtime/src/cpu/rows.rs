@@ -188,7 +188,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// One softmax row on sixteen lanes: `x * scale`, `exp(x - max)`, `* (1 / sum)` over the
+    /// One softmax row on sixteen lanes: `x * scale`, `exp(x - max)`, `/ sum` over the
     /// `live` elements, zeros past them. Why: `exp`'s arithmetic is most of a softmax's time
     /// (`perf annotate`), and LLVM vectorizes the scalar loop to eight lanes at most. A row's
     /// last group is masked, so causal rows, whose lengths change one by one, need no scalar
@@ -222,10 +222,10 @@ pub(crate) mod x86 {
         }
         // SAFETY: AVX-512F implies AVX2.
         let sum = unsafe { reduce(&row[..live], &[], Reduce::Sum) };
-        let inv = _mm512_set1_ps(1.0 / sum);
+        let vsum = _mm512_set1_ps(sum);
         for g in 0..groups {
             let (k, at) = (mask(g), unsafe { x.add(g * 16) });
-            let v = _mm512_mul_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, inv);
+            let v = _mm512_div_ps(unsafe { _mm512_maskz_loadu_ps(k, at) }, vsum);
             unsafe { _mm512_mask_storeu_ps(at, k, v) };
         }
         row[live..].fill(0.0);
@@ -233,7 +233,7 @@ pub(crate) mod x86 {
     }
 
     /// `softmax16` from a row's given `(max, sum)` (the forward's, for attention's backward):
-    /// `exp(x * scale - max) * (1 / sum)` in one pass, the same operations on each element as
+    /// `exp(x * scale - max) / sum` in one pass, the same operations on each element as
     /// `softmax16`'s three, so the same bits where the statistics are the ones it returned.
     ///
     /// # Safety
@@ -242,10 +242,10 @@ pub(crate) mod x86 {
     #[inline]
     pub unsafe fn softmax16_from(row: &mut [f32], live: usize, scale: f32, (max, sum): (f32, f32)) {
         let x = row.as_mut_ptr();
-        let (vscale, vmax, inv) = (
+        let (vscale, vmax, vsum) = (
             _mm512_set1_ps(scale),
             _mm512_set1_ps(max),
-            _mm512_set1_ps(1.0 / sum),
+            _mm512_set1_ps(sum),
         );
         for g in 0..live.div_ceil(16) {
             let k = (u32::MAX >> (32 - (live - g * 16).min(16))) as __mmask16;
@@ -254,7 +254,7 @@ pub(crate) mod x86 {
                 let at = x.add(g * 16);
                 let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, at), vscale);
                 let e = exp16(_mm512_sub_ps(v, vmax));
-                _mm512_mask_storeu_ps(at, k, _mm512_mul_ps(e, inv));
+                _mm512_mask_storeu_ps(at, k, _mm512_div_ps(e, vsum));
             }
         }
         row[live..].fill(0.0);
