@@ -199,6 +199,57 @@ fn t(layout: Layout) -> Layout {
     }
 }
 
+/// A block of results (the forward's output, the backward's dq) waiting in one of two
+/// scratch blocks to be scaled, rounded to bf16 and written to its rows of `to`: written only
+/// after the next block's first product is issued, because reading a block right after the
+/// tiles stored it waits for the stores (`gemm_bf16`'s staging says by how much).
+struct Staged<'a> {
+    blocks: [&'a mut [f32]; 2],
+    next: usize,
+    /// (block, head, first row, rows) of the block waiting, if one is.
+    pending: Option<(usize, (usize, usize), usize, usize)>,
+}
+
+impl<'a> Staged<'a> {
+    /// The scratch block the next results go to.
+    fn block(&mut self) -> *mut f32 {
+        self.blocks[self.next].as_mut_ptr()
+    }
+
+    /// The results just stored into `block()`: rows `r0..r0 + rows` of `head`.
+    fn stored(&mut self, head: (usize, usize), r0: usize, rows: usize) {
+        debug_assert!(self.pending.is_none());
+        self.pending = Some((self.next, head, r0, rows));
+        self.next ^= 1;
+    }
+
+    /// Writes the waiting block, if any: `x * scale`, rounded to bf16, into its rows of `to`.
+    ///
+    /// # Safety
+    /// `to` lies in the arena, with contiguous rows (`strides[3] == 1`), and its rows of the
+    /// waiting block's head are this task's alone.
+    unsafe fn flush(&mut self, arena: TaskPtr<f32>, to: &Heads, hd: usize, scale: f32) {
+        if let Some((block, (b, h), r0, rows)) = self.pending.take() {
+            let x = &mut self.blocks[block][..rows * hd];
+            if scale != 1.0 {
+                x.iter_mut().for_each(|x| *x *= scale);
+            }
+            let (dst, layout) = head_at(arena, to, (b, h), r0);
+            // SAFETY: the caller's contract; the block holds `rows` rows of `hd`.
+            unsafe {
+                bf16_pack::copy_rows(
+                    x.as_ptr(),
+                    hd,
+                    dst as *mut f32,
+                    layout.row_stride,
+                    (rows, hd),
+                    true,
+                )
+            };
+        }
+    }
+}
+
 /// A task's scratch cut into buffers, each on a cache line (the tiles load and store whole
 /// lines), f32 or packed u32 lanes.
 struct Cuts<'a>(&'a mut [f32]);
@@ -243,6 +294,7 @@ pub unsafe fn forward(base: *mut f32, d: Dims, qkv: Qkv, out: Heads, stats: Opti
         BLOCK_ROWS * s_pad,       // scores, then probabilities
         a_len(BLOCK_ROWS, s_pad), // probabilities packed
         BLOCK_ROWS * hd,          // a block of the output
+        BLOCK_ROWS * hd,          // and the one before it, waiting
     ];
     Pool::current().run(d.batch * d.kv_heads, &|task| {
         // Consecutive tasks are different batches (`attention::forward` says why).
@@ -250,7 +302,12 @@ pub unsafe fn forward(base: *mut f32, d: Dims, qkv: Qkv, out: Heads, stats: Opti
         with_scratch(lines(&sizes), |scratch| {
             let mut cut = Cuts(scratch);
             let (kt, vp, qa) = (cut.u32s(sizes[0]), cut.u32s(sizes[1]), cut.u32s(sizes[2]));
-            let (p, pa, o) = (cut.f32s(sizes[3]), cut.u32s(sizes[4]), cut.f32s(sizes[5]));
+            let (p, pa) = (cut.f32s(sizes[3]), cut.u32s(sizes[4]));
+            let mut o = Staged {
+                blocks: [cut.f32s(sizes[5]), cut.f32s(sizes[6])],
+                next: 0,
+                pending: None,
+            };
             // SAFETY (every block below): the caller's contract: the heads lie in the arena,
             // each task writes only its own heads of `out` and `stats`; the buffers are sized
             // for these products (`sizes`); AMX is available.
@@ -281,6 +338,8 @@ pub unsafe fn forward(base: *mut f32, d: Dims, qkv: Qkv, out: Heads, stats: Opti
                             n_pad,
                             false,
                         );
+                        // The previous block's output, now that its stores have landed.
+                        o.flush(arena, &out, hd, 1.0);
                         let p = &mut p[..BLOCK_ROWS * n_pad];
                         softmax_rows(
                             &mut p[..rows * n_pad],
@@ -297,22 +356,14 @@ pub unsafe fn forward(base: *mut f32, d: Dims, qkv: Qkv, out: Heads, stats: Opti
                             );
                         }
                         pack_a(p.as_ptr(), row_major(n_pad), (rows, n_pad), pa);
-                        product(
-                            &tiles,
-                            pa,
-                            (vp, s),
-                            (rows, hd, n_pad),
-                            o.as_mut_ptr(),
-                            hd,
-                            false,
-                        );
-                        let o = &mut o[..rows * hd];
-                        bf16_pack::round_in_place(o);
-                        out.write_rows(arena, (b, h), r0, o, hd);
+                        product(&tiles, pa, (vp, s), (rows, hd, n_pad), o.block(), hd, false);
+                        o.stored((b, h), r0, rows);
                     }
                 }
             }
             drop(tiles);
+            // SAFETY: as above.
+            unsafe { o.flush(arena, &out, hd, 1.0) };
         });
     });
 }
@@ -350,6 +401,7 @@ pub unsafe fn backward(
         a_len(BLOCK_ROWS, s_pad),   // 12: ds as A
         a_len(s_pad, BLOCK_ROWS),   // 13: dsᵀ as A
         BLOCK_ROWS * hd,            // 14: a block of dq
+        BLOCK_ROWS * hd,            // 15: and the one before it, waiting
     ];
     Pool::current().run(d.batch * d.kv_heads, &|task| {
         // Consecutive tasks are different batches (as in `forward`).
@@ -366,7 +418,11 @@ pub unsafe fn backward(
                 cut.u32s(sizes[12]),
                 cut.u32s(sizes[13]),
             );
-            let dq = cut.f32s(sizes[14]);
+            let mut dq = Staged {
+                blocks: [cut.f32s(sizes[14]), cut.f32s(sizes[15])],
+                next: 0,
+                pending: None,
+            };
             dk.fill(0.0);
             dv.fill(0.0);
             // SAFETY (every block below): as in `forward`; the three outputs are this task's
@@ -408,6 +464,8 @@ pub unsafe fn backward(
                             n_pad,
                             false,
                         );
+                        // The previous block's dq, now that its stores have landed.
+                        dq.flush(arena, &grads.dq, hd, d.scale);
                         let p = &mut p[..rows * n_pad];
                         softmax_rows(p, n_pad, r0, &d, block_stats);
                         // dp = dout vᵀ, then ds = p (dp - Σ_j p dp) in place.
@@ -442,14 +500,11 @@ pub unsafe fn backward(
                             dsa,
                             (kp, s),
                             (rows, hd, n_pad),
-                            dq.as_mut_ptr(),
+                            dq.block(),
                             hd,
                             false,
                         );
-                        let dq = &mut dq[..rows * hd];
-                        dq.iter_mut().for_each(|x| *x *= d.scale);
-                        bf16_pack::round_in_place(dq);
-                        grads.dq.write_rows(arena, (b, h), r0, dq, hd);
+                        dq.stored((b, h), r0, rows);
                         // dk[..n] += dsᵀ q[r0..r1] (scaled once, at the end)
                         pack_a(ds.as_ptr(), transposed(n_pad), (n_pad, rows), dsta);
                         pack_b(q_at, ql, (rows, hd), qb);
@@ -466,6 +521,8 @@ pub unsafe fn backward(
                 }
             }
             drop(tiles);
+            // SAFETY: as above.
+            unsafe { dq.flush(arena, &grads.dq, hd, d.scale) };
             let (dk, dv) = (&mut dk[..s * hd], &mut dv[..s * hd]);
             dk.iter_mut().for_each(|x| *x *= d.scale);
             bf16_pack::round_in_place(dk);
