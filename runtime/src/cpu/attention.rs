@@ -57,7 +57,7 @@ impl Heads {
 }
 
 /// The arena, shared by the tasks (each writes its own heads only).
-type Arena = TaskPtr<f32>;
+pub(super) type Arena = TaskPtr<f32>;
 
 fn row_major(cols: usize) -> Layout {
     Layout {
@@ -212,6 +212,30 @@ pub(super) enum RowStats<'a> {
     Given(&'a [f32]),
 }
 
+impl<'a> RowStats<'a> {
+    /// The backward's statistics of rows `r0..r0 + rows` of head `(b, h)`: the forward's,
+    /// from `stats`, where given; else computed into `scratch` by the block's softmax.
+    ///
+    /// # Safety
+    /// Where given, `stats` lies in the arena and holds what the forward wrote there.
+    pub(super) unsafe fn of_block(
+        stats: Option<Stats>,
+        arena: Arena,
+        d: &Dims,
+        (b, h): (usize, usize),
+        (r0, rows): (usize, usize),
+        scratch: &'a mut [f32],
+    ) -> RowStats<'a> {
+        match stats {
+            // SAFETY: the caller's contract; the block's rows hold two floats each.
+            Some(stats) => RowStats::Given(unsafe {
+                std::slice::from_raw_parts(arena.0.add(stats.row(d, (b, h), r0)), 2 * rows)
+            }),
+            None => RowStats::Compute(scratch),
+        }
+    }
+}
+
 /// The rows of a block (`n` wide, its first row is row `r0` of the head) into probabilities:
 /// each row by `softmax`, its statistics stored, or from the given ones by `from`, as `stats`
 /// says.
@@ -259,8 +283,8 @@ unsafe fn softmax_rows_avx512(p: &mut [f32], n: usize, r0: usize, d: &Dims, stat
 }
 
 /// Softmax of each row of a block (`n` wide, its first row is row `r0` of the head; keys past
-/// the sequence, where `n` is wider, are masked), scaled and masked in place, into probabilities, with each row's statistics stored into or taken
-/// from `stats`. Where the cpu has them, AVX-512 (`softmax16`: a third less time than the AVX2
+/// the sequence, where `n` is wider, are masked), scaled and masked in place, into
+/// probabilities, with each row's statistics stored into or taken from `stats`. Where the cpu has them, AVX-512 (`softmax16`: a third less time than the AVX2
 /// build in `peer`'s step, docs/benchmarks.md) or the AVX2 build of the same code run instead.
 /// No FMA is formed by any of them (Rust never contracts; the AVX-512 code uses separate
 /// multiplies and adds), so all give the same bits, and so do the softmax and its rebuilding
@@ -647,13 +671,14 @@ pub unsafe fn backward(
                     let mut row_stats = [0f32; 2 * BACKWARD_ROWS];
                     // SAFETY: the caller's contract; each task writes only its own heads.
                     unsafe {
-                        let block_stats = match stats {
-                            Some(stats) => RowStats::Given(std::slice::from_raw_parts(
-                                arena.0.add(stats.row(&d, (b, h), r0)),
-                                2 * rows,
-                            )),
-                            None => RowStats::Compute(&mut row_stats),
-                        };
+                        let block_stats = RowStats::of_block(
+                            stats,
+                            arena,
+                            &d,
+                            (b, h),
+                            (r0, rows),
+                            &mut row_stats,
+                        );
                         probabilities(&d, products, qh, kh.t(), (r0, r1, n), p, block_stats);
                         let p = &mut p[..rows * n];
                         let ds = &mut ds[..rows * n];

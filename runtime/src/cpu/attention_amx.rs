@@ -7,7 +7,10 @@
 //! product; packing was about a third of bf16 attention's samples (`attention_cost bf16
 //! strided` under `perf`). Here a task packs its kv head's operands once (kᵀ and v forward;
 //! kᵀ, vᵀ and k backward), configures the tiles once, and takes 32 query rows a block (one
-//! tile block: the causal blocks compute less of the masked half than 96 or 64 rows did).
+//! tile block: the causal blocks compute less of the masked half than 96 or 64 rows did); a
+//! block's output (forward) or dq (backward) is rounded and written after the next block's
+//! first product (`Staged`). At `peer`'s shape the forward takes 0.86x and the backward 0.76x
+//! the time it took through `gemm_bf16` (docs/benchmarks.md).
 //!
 //! Contract: `attention.rs`'s bf16 numerics, with its helpers for everything but the
 //! products. Every product reads bf16 operands (the packing rounds, as the GEMM's does) and
@@ -199,6 +202,42 @@ fn t(layout: Layout) -> Layout {
     }
 }
 
+/// A head's query blocks: (first row, rows, the keys they see rounded up to whole tile
+/// columns).
+fn query_blocks(d: &Dims) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    (0..d.seq).step_by(BLOCK_ROWS).map(|r0| {
+        let rows = (d.seq - r0).min(BLOCK_ROWS);
+        let keys = if d.causal { r0 + rows } else { d.seq };
+        (r0, rows, keys.div_ceil(BLOCK_COLS) * BLOCK_COLS)
+    })
+}
+
+/// The unscaled scores of a query block, `q kᵀ` (`rows x n_pad`, row stride `n_pad`, into
+/// `p`), from its rows of query head `(b, h)` packed into `qa` and the kv head's packed `kt`:
+/// the same products, on the same packed operands, in both directions.
+///
+/// # Safety
+/// The tiles are configured; the head lies in the arena; the buffers are sized as the
+/// forward's and backward's `sizes` say.
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores(
+    tiles: &Tiles,
+    arena: TaskPtr<f32>,
+    q: &Heads,
+    (b, h): (usize, usize),
+    (r0, rows, n_pad): (usize, usize, usize),
+    hd: usize,
+    (qa, kt): (&mut [u32], &[u32]),
+    p: *mut f32,
+) {
+    let (q_at, ql) = head_at(arena, q, (b, h), r0);
+    // SAFETY: the caller's contract.
+    unsafe {
+        pack_a(q_at, ql, (rows, hd), qa);
+        product(tiles, qa, (kt, hd), (rows, n_pad, hd), p, n_pad, false);
+    }
+}
+
 /// A block of results (the forward's output, the backward's dq) waiting in one of two
 /// scratch blocks to be scaled, rounded to bf16 and written to its rows of `to`: written only
 /// after the next block's first product is issued, because reading a block right after the
@@ -320,23 +359,20 @@ pub unsafe fn forward(base: *mut f32, d: Dims, qkv: Qkv, out: Heads, stats: Opti
             // SAFETY: AMX is available (the caller's contract).
             let tiles = unsafe { Tiles::configure() };
             for h in g * group..(g + 1) * group {
-                for r0 in (0..s).step_by(BLOCK_ROWS) {
-                    let rows = (s - r0).min(BLOCK_ROWS);
-                    let n = if d.causal { r0 + rows } else { s };
-                    let n_pad = n.div_ceil(BLOCK_COLS) * BLOCK_COLS;
+                for (r0, rows, n_pad) in query_blocks(&d) {
                     let mut row_stats = [0f32; 2 * BLOCK_ROWS];
                     // SAFETY: as above.
                     unsafe {
-                        let (qp, ql) = head_at(arena, &q, (b, h), r0);
-                        pack_a(qp, ql, (rows, hd), qa);
-                        product(
+                        let block = (r0, rows, n_pad);
+                        scores(
                             &tiles,
-                            qa,
-                            (kt, hd),
-                            (rows, n_pad, hd),
+                            arena,
+                            &q,
+                            (b, h),
+                            block,
+                            hd,
+                            (qa, kt),
                             p.as_mut_ptr(),
-                            n_pad,
-                            false,
                         );
                         // The previous block's output, now that its stores have landed.
                         o.flush(arena, &out, hd, 1.0);
@@ -437,32 +473,31 @@ pub unsafe fn backward(
             // SAFETY: AMX is available (the caller's contract).
             let tiles = unsafe { Tiles::configure() };
             for h in g * group..(g + 1) * group {
-                for r0 in (0..s).step_by(BLOCK_ROWS) {
-                    let rows = (s - r0).min(BLOCK_ROWS);
-                    let n = if d.causal { r0 + rows } else { s };
-                    let n_pad = n.div_ceil(BLOCK_COLS) * BLOCK_COLS;
+                for (r0, rows, n_pad) in query_blocks(&d) {
                     let mut row_stats = [0f32; 2 * BLOCK_ROWS];
                     // SAFETY: as above.
                     unsafe {
-                        let block_stats = match stats {
-                            Some(stats) => RowStats::Given(std::slice::from_raw_parts(
-                                arena.0.add(stats.row(&d, (b, h), r0)),
-                                2 * rows,
-                            )),
-                            None => RowStats::Compute(&mut row_stats),
-                        };
+                        let block_stats = RowStats::of_block(
+                            stats,
+                            arena,
+                            &d,
+                            (b, h),
+                            (r0, rows),
+                            &mut row_stats,
+                        );
                         let (q_at, ql) = head_at(arena, &q, (b, h), r0);
                         let (do_at, dol) = head_at(arena, &dout, (b, h), r0);
                         // p, as the forward made it.
-                        pack_a(q_at, ql, (rows, hd), qa);
-                        product(
+                        let block = (r0, rows, n_pad);
+                        scores(
                             &tiles,
-                            qa,
-                            (kt, hd),
-                            (rows, n_pad, hd),
+                            arena,
+                            &q,
+                            (b, h),
+                            block,
+                            hd,
+                            (qa, kt),
                             p.as_mut_ptr(),
-                            n_pad,
-                            false,
                         );
                         // The previous block's dq, now that its stores have landed.
                         dq.flush(arena, &grads.dq, hd, d.scale);
