@@ -75,7 +75,8 @@ fn default_pipeline_and_ac_are_bitwise_identical_on_wgpu_tiny() {
 /// widening casts as views and writes bf16 weight gradients transposed; each must round exactly
 /// as the cast kernels it replaces. On cpu (the bf16 GEMM, on AMX tiles or `vdpbf16ps`, where
 /// the cpu has AVX512_BF16, else the f32 GEMM on rounded copies) and the device backends, with `ac=full` in front as well (the
-/// recomputed forward's casts fold too).
+/// recomputed forward's casts fold too); on cpu also with heads of 32 (attention on AMX's tile
+/// blocks).
 #[test]
 fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
     use graphtrain::ir::autocast::Precision;
@@ -116,6 +117,24 @@ fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
             )
             .unwrap_or_else(|e| panic!("{list} with {gemm}, bf16-mixed: {e}"));
         }
+        // Heads of 32 (two, sharing one kv head): attention on AMX runs as tile blocks
+        // (`attention_amx.rs`) where the head dim is whole blocks, which `tiny`'s 8 is not.
+        let wide_heads = Llama3Config {
+            dim: 64,
+            n_heads: 2,
+            n_kv_heads: 1,
+            ..tiny.clone()
+        };
+        check_pipeline_tuned(
+            &wide_heads,
+            &p,
+            3,
+            Backend::Cpu,
+            None,
+            &Tuning::default(),
+            Precision::Bf16Mixed,
+        )
+        .unwrap_or_else(|e| panic!("{list} on cpu, heads of 32, bf16-mixed: {e}"));
     }
 }
 
