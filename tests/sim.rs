@@ -65,6 +65,43 @@ fn a_step_costs_its_launch_plus_its_roofline() {
     assert_eq!(p.exposed_comm_s, 0.0);
 }
 
+// bf16-mixed's products run at the bf16 rate whatever their result is stored as: a weight
+// gradient's product (`xᵀ dy`, its casts to bf16 folded into it, as it rounds its operands as it
+// reads them) is written through its widening cast and transpose straight into the f32 layout
+// that reads it, so the one step writes an f32 value and is still a bf16 product.
+#[test]
+fn a_bf16_product_costs_the_bf16_rate() {
+    let g = text::parse(
+        "graph g {
+  input %x: f32[1024,512]
+  input %dy: f32[1024,512]
+  %2: bf16[1024,512] = cast(%x, dtype=bf16)
+  %3: bf16[1024,512] = cast(%dy, dtype=bf16)
+  %4: bf16[512,1024] = transpose(%2, perm=[1,0])
+  %5: bf16[512,512] = matmul(%4, %3)
+  %6: f32[512,512] = cast(%5, dtype=f32)
+  %7: f32[512,512] = transpose(%6, perm=[1,0])
+  output o = %7
+}",
+    )
+    .unwrap();
+    let hw = round_gpu();
+    let program = lower_for(&g, &none(), &hw).unwrap();
+    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let matmul = 2.0 * 512.0 * 1024.0 * 512.0 / (4000e9 * 0.5);
+    let bytes = 4.0 * (512.0 * 1024.0 + 1024.0 * 512.0 + 512.0 * 512.0);
+    assert!(
+        matmul > bytes / (100e9 * 0.5),
+        "the GEMM is compute-bound here"
+    );
+    assert_eq!(
+        p.steps, 1,
+        "the casts and the transpose folded into the product:\n{program}"
+    );
+    let want = matmul + 10e-6;
+    assert!((p.step_s - want).abs() < 1e-12, "{} vs {want}", p.step_s);
+}
+
 fn tiny_on(mesh: &str) -> graphtrain_ir::Graph {
     let tiny = Llama3Config::builtin("tiny").unwrap();
     let mesh = Mesh::parse(mesh).unwrap();

@@ -135,20 +135,34 @@ pub fn simulate(
     for (i, step) in program.steps.iter().enumerate() {
         let (kind, seconds) = match step {
             Step::Matmul {
-                out,
+                a,
                 b,
                 batch,
                 m,
                 n,
                 k,
+                bf16,
                 ..
             } => {
                 let flops = 2.0 * (batch * m * n * k) as f64;
                 let shared_b = b.strides.first() == Some(&0);
                 let b_elems = if shared_b { k * n } else { batch * k * n };
                 let moved = 4.0 * (batch * (m * k + m * n) + b_elems) as f64;
-                let t = (flops / flop_rate(g.ty(*out).dtype, hw.efficiency.matmul))
-                    .max(moved / bandwidth);
+                // The products' precision is the operands', not the result's: a bf16 product
+                // written through its widening cast (a weight gradient of bf16-mixed) is an f32
+                // value in the graph, and an f32 operand whose cast fusion folded into the
+                // product is read as bf16 (`bf16.a`, `bf16.b`).
+                let bf16_products = bf16.a
+                    || bf16.b
+                    || [a.base, b.base]
+                        .iter()
+                        .any(|v| g.ty(*v).dtype == DType::BF16);
+                let dtype = if bf16_products {
+                    DType::BF16
+                } else {
+                    DType::F32
+                };
+                let t = (flops / flop_rate(dtype, hw.efficiency.matmul)).max(moved / bandwidth);
                 ("matmul", t)
             }
             Step::Attention { q, causal, .. } | Step::AttentionBackward { q, causal, .. } => {
