@@ -61,29 +61,27 @@ unsafe fn pack_b(b: *const f32, lb: Layout, (k, n): (usize, usize), out: &mut [u
     let pairs = k.div_ceil(2);
     let panel_len = padded_pairs(k) * BLOCK_COLS;
     let out = &mut out[..panels_len(k, n)];
-    out.fill(0);
     for (panel, dst) in out.chunks_exact_mut(panel_len).enumerate() {
         let (from, cols) = (panel * BLOCK_COLS, (n - panel * BLOCK_COLS).min(BLOCK_COLS));
+        // Zeros where the packing below writes nothing: a partial panel's lanes past n, every
+        // panel's pair rows past k's.
+        if cols < BLOCK_COLS {
+            dst.fill(0);
+        } else {
+            dst[pairs * BLOCK_COLS..].fill(0);
+        }
         if lb.row_stride == 1 && lb.col_stride != 1 {
-            // kᵀ, vᵀ: each column's k elements are neighbours; 16 columns x 16 pairs at a time.
-            for first in (0..pairs).step_by(TILE_PAIRS) {
-                for lane in (0..cols).step_by(16) {
-                    // SAFETY: columns from + lane.. (the live ones) hold k elements; the panel
-                    // holds rows first..first + 16 (those < pairs) of 32 lanes.
-                    unsafe {
-                        bf16_pack::rows_to_columns(
-                            b.add((from + lane) * lb.col_stride),
-                            lb.col_stride,
-                            k,
-                            first,
-                            (cols - lane).min(16),
-                            (pairs - first).min(16),
-                            dst.as_mut_ptr().add(first * BLOCK_COLS + lane),
-                            BLOCK_COLS,
-                        )
-                    };
-                }
-            }
+            // kᵀ, vᵀ: each column's k elements are neighbours.
+            // SAFETY: columns from..from + cols hold k elements; the panel holds its pair rows.
+            unsafe {
+                bf16_pack::column_panel(
+                    b.add(from * lb.col_stride),
+                    lb.col_stride,
+                    (k, cols),
+                    dst.as_mut_ptr(),
+                    BLOCK_COLS,
+                )
+            };
         } else if lb.col_stride == 1 {
             for p in 0..pairs {
                 // SAFETY: rows 2p and 2p + 1 (when < k) hold columns from..from + cols.

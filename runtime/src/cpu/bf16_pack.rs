@@ -294,6 +294,45 @@ pub unsafe fn row_pairs_halves(x: *const u16, k: usize, out: *mut u32, stride: u
 #[cfg(target_arch = "x86_64")]
 pub use simd::{columns_to_rows, columns_to_rows_halves, rows_to_columns};
 
+/// `cols` columns of an operand whose k runs down each column (column j's k elements
+/// contiguous at `x + j * col_stride`) as a panel's pair rows: lane j of row p (at `out + p *
+/// out_stride + j`) = `pair(x_j[2p], x_j[2p + 1])` for every pair of k, a zero after an odd
+/// last element. Columns go 16 at a time: the lanes past `cols` in the last group of 16 are
+/// written as zeros, those past it are not written. (Transposed B of the bf16 GEMM, and the
+/// keys and values attention's products read transposed.)
+///
+/// # Safety
+/// Each column's k elements readable; `k.div_ceil(2)` rows of `cols.next_multiple_of(16)`
+/// lanes writable at `out`, `out_stride` apart; AVX-512F.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn column_panel(
+    x: *const f32,
+    col_stride: usize,
+    (k, cols): (usize, usize),
+    out: *mut u32,
+    out_stride: usize,
+) {
+    let pairs = k.div_ceil(2);
+    for first in (0..pairs).step_by(16) {
+        for lane in (0..cols).step_by(16) {
+            // SAFETY: columns lane.. (the live ones) hold k elements; rows first..first + 16
+            // (those < pairs) of 16 lanes from `lane` are writable (the caller's contract).
+            unsafe {
+                rows_to_columns(
+                    x.add(lane * col_stride),
+                    col_stride,
+                    k,
+                    first,
+                    (cols - lane).min(16),
+                    (pairs - first).min(16),
+                    out.add(first * out_stride + lane),
+                    out_stride,
+                )
+            };
+        }
+    }
+}
+
 /// A row of `k` elements as tile rows of 16 pairs: pairs `16c..16c + 16` (zeros past k's) to
 /// the 16 lanes at `out + c * chunk_stride`, for every chunk c of `k.div_ceil(32)`. (An AMX A
 /// row, straight into its chunks: through a row of pairs and a copy per chunk, packing the

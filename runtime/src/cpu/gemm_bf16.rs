@@ -284,25 +284,18 @@ pub unsafe fn gemm_bf16_to(
             if let (Src::F32(_), 1) = (b, lb.row_stride) {
                 // Transposed B: each column's k elements are neighbours; 16 columns x 16 pairs at
                 // a time turn into the panel's rows.
+                // SAFETY: the panel's columns hold k elements from `origin`; the panel holds
+                // its pair rows of NR lanes.
                 #[cfg(target_arch = "x86_64")]
-                for first in (0..pairs).step_by(16) {
-                    for lane in (0..cols).step_by(16) {
-                        // SAFETY: columns lane.. (live ones) hold k elements from `origin`; the
-                        // panel holds rows first..first + 16 (when < pairs) of NR lanes.
-                        unsafe {
-                            bf16_pack::rows_to_columns(
-                                bp.at(origin + lane * lb.col_stride),
-                                lb.col_stride,
-                                k,
-                                first,
-                                (cols - lane).min(16),
-                                (pairs - first).min(16),
-                                dst.as_mut_ptr().add(first * NR + lane),
-                                NR,
-                            )
-                        };
-                    }
-                }
+                unsafe {
+                    bf16_pack::column_panel(
+                        bp.at(origin),
+                        lb.col_stride,
+                        (k, cols),
+                        dst.as_mut_ptr(),
+                        NR,
+                    )
+                };
                 #[cfg(not(target_arch = "x86_64"))]
                 for lane in 0..cols {
                     // SAFETY: column `panel * NR + lane` holds k elements from its start.
