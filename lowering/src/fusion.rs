@@ -5,7 +5,8 @@
 //!   are strided reads of their source where every reader takes a strided operand (matmul,
 //!   copy, reduce, the kept composites); a transpose feeding a matmul becomes GEMM strides, and
 //!   an `expand` that only elementwise ops of its size read becomes a broadcast `Access` of
-//!   their operand (period a multiple of `BROADCAST_ALIGN`);
+//!   their operand (period a multiple of `BROADCAST_ALIGN`), and a `reshape` of a whole value
+//!   in memory is that value to elementwise readers too (no copy for them to read);
 //! - a matmul read only through a transpose of its last two dims writes the transpose
 //!   (`bᵀ aᵀ`), also through a widening cast of its bf16 result, and an attention output (or
 //!   gradient) read only through `transpose(0, 2, 1, 3)`, also through a widening cast of its
@@ -454,6 +455,26 @@ pub(crate) fn fused_steps(
                     value: src_mem,
                     access,
                 });
+                continue;
+            }
+        }
+
+        // A reshape of a whole value in memory keeps its elements in their order: it is that
+        // value, for elementwise readers as for views (no copy for a `Map` to read).
+        if let Op::Reshape { .. } = n.op {
+            let src = n.inputs[0];
+            let in_memory = inlined[src.index()].is_none()
+                && absorbed[src.index()].is_none()
+                && !holds_unrounded[src.index()]
+                && (view[src.index()].is_none() || alias[src.index()].is_some());
+            let readers_take_it = !cons.is_empty()
+                && cons
+                    .iter()
+                    .all(|&c| same_size_elementwise(c) || reads_views(c));
+            if in_memory && readers_take_it && !is_output[out.index()] {
+                let base = alias[src.index()].unwrap_or(src);
+                alias[out.index()] = Some(base);
+                view[out.index()] = Some(View::contiguous(base, &out_ty.shape));
                 continue;
             }
         }

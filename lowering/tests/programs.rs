@@ -66,6 +66,28 @@ fn reduction_over_unaligned_rows_is_not_fused() {
     ));
 }
 
+// A reshape of a value in memory, read by an elementwise op and by a matmul, is that value to
+// both: the map reads `%1` itself, the GEMM a view of it; nothing is copied.
+#[test]
+fn a_reshape_read_by_a_map_is_its_value_not_a_copy() {
+    let out = both(
+        "graph reshaped {
+  input %x: f32[2,4,8]
+  input %w: f32[8,6]
+  input %y: f32[8,8]
+  %3: f32[2,4,8] = exp(%x)
+  %4: f32[8,8] = reshape(%3, shape=[8,8])
+  %5: f32[8,6] = matmul(%4, %w)
+  %6: f32[8,8] = add(%4, %y)
+  output a = %5
+  output b = %6
+}",
+    );
+    let fused = out.split("program").last().unwrap();
+    assert!(!fused.contains("copy"), "{out}");
+    insta::assert_snapshot!(out);
+}
+
 // A transposed weight is read by the GEMM through strides instead of copied first.
 #[test]
 fn matmul_reads_a_transpose_as_strides() {

@@ -129,7 +129,8 @@ pub unsafe fn pack_a(a: Src, la: Layout, height: usize, k: usize, out: &mut [u32
 /// each stored row, which the prefetchers do not follow.
 ///
 /// # Safety
-/// `a` must address `m` rows x `k` columns under `la`; `out` every chunk named; AVX-512F.
+/// `a` must address `m` rows x `k` columns under `la`; `out` every chunk named; the bf16
+/// kernels' features (`gemm_bf16::available`).
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn pack_a_columns(
     a: Src,

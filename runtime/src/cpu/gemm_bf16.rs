@@ -44,7 +44,11 @@ const CHUNKS_PER_PACKING_TASK: usize = 2;
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+        // Every cpu with AVX512_BF16 has BW and VL; the packing of halves uses them.
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
