@@ -67,7 +67,7 @@ fn reduction_over_unaligned_rows_is_not_fused() {
 }
 
 // A reshape of a value in memory, read by an elementwise op and by a matmul, is that value to
-// both: the map reads `%1` itself, the GEMM a view of it; nothing is copied.
+// both: the map reads `%3` itself, the GEMM a view of it; nothing is copied.
 #[test]
 fn a_reshape_read_by_a_map_is_its_value_not_a_copy() {
     let out = both(

@@ -8,6 +8,37 @@ use graphtrain_lowering::Mode;
 use graphtrain_runtime::{compile, Backend, CompileOptions, Profile, SingleRank};
 use std::time::Instant;
 
+/// SwiGLU's gradients over bf16 operands `g`, `h1`, `h3` stored in 2 bytes (kept in memory by
+/// a second reader), followed by `$tail`.
+macro_rules! swiglu_grads {
+    ($tail:literal) => {
+        concat!(
+            "%e0: f32[{n}] = exp(%x)
+  %e1: f32[{n}] = exp(%y)
+  %e2: f32[{n}] = sin(%x)
+  %g: bf16[{n}] = cast(%e0, dtype=bf16)
+  %h1: bf16[{n}] = cast(%e1, dtype=bf16)
+  %h3: bf16[{n}] = cast(%e2, dtype=bf16)
+  %t0: bf16[{n}] = add(%g, %h1)
+  %t1: bf16[{n}] = add(%t0, %h3)
+  %tf: f32[{n}] = cast(%t1, dtype=f32)
+  output t = %tf
+  %sg: bf16[{n}] = sigmoid(%h1)
+  %sl: bf16[{n}] = silu(%h1)
+  %dh3: bf16[{n}] = mul(%g, %sl)
+  %onex: bf16[{n}] = full(value=1.0, shape=[{n}], dtype=bf16)
+  %oms: bf16[{n}] = sub(%onex, %sg)
+  %q: bf16[{n}] = mul(%h1, %oms)
+  %q1: bf16[{n}] = add(%q, %onex)
+  %q2: bf16[{n}] = mul(%sg, %q1)
+  %gh: bf16[{n}] = mul(%g, %h3)
+  %dh1: bf16[{n}] = mul(%gh, %q2)
+",
+            $tail
+        )
+    };
+}
+
 fn main() {
     let n = 8 * 8 * 256 * 256;
     let cases = [
@@ -50,6 +81,8 @@ fn main() {
   %d: f32[8,8,256,256] = div(%r, %b)
   %2: f32[{n}] = reshape(%d, shape=[{n}])",
         ),
+        // SwiGLU's forward map on operands stored in 2 bytes (bf16 values that a second reader
+        // keeps in memory, as the feed-forward's products are in the step).
         (
             "bf16 silu(x) * y",
             "%ex: f32[{n}] = exp(%x)
@@ -63,56 +96,22 @@ fn main() {
   %tf: f32[{n}] = cast(%t, dtype=f32)
   output t = %tf",
         ),
+        // SwiGLU's two gradient maps (`g · silu(h1)` and `g · h3 · silu'(h1)`) as the step runs
+        // them, two kernels, and summed into one: what one kernel with both outputs would save.
         (
             "swiglu grads apart",
-            "  %e0: f32[{n}] = exp(%x)
-  %e1: f32[{n}] = exp(%y)
-  %e2: f32[{n}] = sin(%x)
-  %g: bf16[{n}] = cast(%e0, dtype=bf16)
-  %h1: bf16[{n}] = cast(%e1, dtype=bf16)
-  %h3: bf16[{n}] = cast(%e2, dtype=bf16)
-  %t0: bf16[{n}] = add(%g, %h1)
-  %t1: bf16[{n}] = add(%t0, %h3)
-  %tf: f32[{n}] = cast(%t1, dtype=f32)
-  output t = %tf
-  %sg: bf16[{n}] = sigmoid(%h1)
-  %sl: bf16[{n}] = silu(%h1)
-  %dh3: bf16[{n}] = mul(%g, %sl)
-  %onex: bf16[{n}] = full(value=1.0, shape=[{n}], dtype=bf16)
-  %oms: bf16[{n}] = sub(%onex, %sg)
-  %q: bf16[{n}] = mul(%h1, %oms)
-  %q1: bf16[{n}] = add(%q, %onex)
-  %q2: bf16[{n}] = mul(%sg, %q1)
-  %gh: bf16[{n}] = mul(%g, %h3)
-  %dh1: bf16[{n}] = mul(%gh, %q2)
-  %d1f: f32[{n}] = cast(%dh1, dtype=f32)
+            swiglu_grads!(
+                "  %d1f: f32[{n}] = cast(%dh1, dtype=f32)
   output d1 = %d1f
-  %2: f32[{n}] = cast(%dh3, dtype=f32)",
+  %2: f32[{n}] = cast(%dh3, dtype=f32)"
+            ),
         ),
         (
             "swiglu grads summed",
-            "  %e0: f32[{n}] = exp(%x)
-  %e1: f32[{n}] = exp(%y)
-  %e2: f32[{n}] = sin(%x)
-  %g: bf16[{n}] = cast(%e0, dtype=bf16)
-  %h1: bf16[{n}] = cast(%e1, dtype=bf16)
-  %h3: bf16[{n}] = cast(%e2, dtype=bf16)
-  %t0: bf16[{n}] = add(%g, %h1)
-  %t1: bf16[{n}] = add(%t0, %h3)
-  %tf: f32[{n}] = cast(%t1, dtype=f32)
-  output t = %tf
-  %sg: bf16[{n}] = sigmoid(%h1)
-  %sl: bf16[{n}] = silu(%h1)
-  %dh3: bf16[{n}] = mul(%g, %sl)
-  %onex: bf16[{n}] = full(value=1.0, shape=[{n}], dtype=bf16)
-  %oms: bf16[{n}] = sub(%onex, %sg)
-  %q: bf16[{n}] = mul(%h1, %oms)
-  %q1: bf16[{n}] = add(%q, %onex)
-  %q2: bf16[{n}] = mul(%sg, %q1)
-  %gh: bf16[{n}] = mul(%g, %h3)
-  %dh1: bf16[{n}] = mul(%gh, %q2)
-  %ds: bf16[{n}] = add(%dh1, %dh3)
-  %2: f32[{n}] = cast(%ds, dtype=f32)",
+            swiglu_grads!(
+                "  %ds: bf16[{n}] = add(%dh1, %dh3)
+  %2: f32[{n}] = cast(%ds, dtype=f32)"
+            ),
         ),
         (
             "matmul 1024^3",
