@@ -821,6 +821,62 @@ mod tests {
         }
     }
 
+    /// A transposed A stored in 2 bytes (a weight gradient's activations) gives the bits of the
+    /// same values in f32 slots, on every tile kind: heights that leave a partial row tile (the
+    /// masked loads of the last columns' halves), an odd k, a batch of two.
+    #[test]
+    fn a_transposed_a_of_halves_packs_as_its_f32_values() {
+        if !available() {
+            eprintln!("skipping: this cpu has no AVX512_BF16");
+            return;
+        }
+        let value = |i: usize| round_bf16(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
+        for &(batch, m, n, k) in &[(1, 13, 37, 64), (2, 40, 16, 33), (1, 97, 32, 300)] {
+            let a: Vec<f32> = (0..batch * m * k).map(value).collect();
+            let halves: Vec<u16> = a.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| value(i + 5)).collect();
+            let la = Layout {
+                batch_stride: m * k,
+                row_stride: 1,
+                col_stride: m,
+            };
+            let lb = Layout {
+                batch_stride: 0,
+                row_stride: n,
+                col_stride: 1,
+            };
+            for tiles in tile_kinds() {
+                let run = |a: Src| {
+                    let mut c = vec![f32::NAN; batch * m * n];
+                    // SAFETY: the buffers hold what the shapes name; `available()`.
+                    unsafe {
+                        gemm_bf16_to(
+                            tiles,
+                            (batch, m, n, k),
+                            (a, la),
+                            (Src::F32(b.as_ptr()), lb),
+                            COut::F32(c.as_mut_ptr()),
+                            2,
+                            false,
+                        )
+                    };
+                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                let (from_halves, from_f32) =
+                    (run(Src::Halves(halves.as_ptr())), run(Src::F32(a.as_ptr())));
+                let differ = from_halves
+                    .iter()
+                    .zip(&from_f32)
+                    .filter(|(x, y)| x != y)
+                    .count();
+                assert!(
+                    differ == 0,
+                    "{tiles:?} ({batch},{m},{n},{k}): {differ} elements of C differ"
+                );
+            }
+        }
+    }
+
     /// Against a naive f64 sum of the operands rounded to bf16: within f32 rounding, at odd
     /// sizes (edge tiles, an odd k), row-major and transposed operands (each packing path but
     /// the general-stride one), a shared B, and any thread count. The operands are given
