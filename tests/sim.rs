@@ -3,10 +3,11 @@
 //! How close it comes to measured steps is a benchmark (docs/benchmarks.md), not a test.
 
 use graphtrain::sim::hardware::Hardware;
-use graphtrain::sim::{lower_for, simulate, LinkSpec, Links};
+use graphtrain::sim::{lower_for, simulate, LinkSpec, Links, Prediction};
 use graphtrain::trainer::build_spmd_step;
 use graphtrain_ir::optim::OptimConfig;
-use graphtrain_ir::{text, Mesh};
+use graphtrain_ir::{text, Graph, Mesh};
+use graphtrain_lowering::Program;
 use graphtrain_models::Llama3Config;
 use graphtrain_passes::parallelize::Plan;
 use graphtrain_passes::{Pipeline, PipelineSpec, Registry};
@@ -26,6 +27,14 @@ fn round_gpu() -> Hardware {
 
 fn none() -> Pipeline {
     Pipeline::new(Vec::new())
+}
+
+/// `g` lowered without passes and simulated on `round_gpu`'s own links, one node.
+fn on_round_gpu(g: &Graph) -> (Program, Prediction) {
+    let hw = round_gpu();
+    let program = lower_for(g, &none(), &hw).unwrap();
+    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    (program, p)
 }
 
 fn pipeline(list: &str) -> Pipeline {
@@ -49,9 +58,7 @@ fn a_step_costs_its_launch_plus_its_roofline() {
 }",
     )
     .unwrap();
-    let hw = round_gpu();
-    let program = lower_for(&g, &none(), &hw).unwrap();
-    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let (_, p) = on_round_gpu(&g);
     let matmul = 2.0 * 256.0 * 512.0 * 128.0 / (1000e9 * 0.5);
     let bytes = 4.0 * (256.0 * 512.0 + 512.0 * 128.0 + 256.0 * 128.0);
     assert!(
@@ -85,9 +92,7 @@ fn a_bf16_product_costs_the_bf16_rate() {
 }",
     )
     .unwrap();
-    let hw = round_gpu();
-    let program = lower_for(&g, &none(), &hw).unwrap();
-    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let (program, p) = on_round_gpu(&g);
     let matmul = 2.0 * 512.0 * 1024.0 * 512.0 / (4000e9 * 0.5);
     let bytes = 4.0 * (512.0 * 1024.0 + 1024.0 * 512.0 + 512.0 * 512.0);
     assert!(

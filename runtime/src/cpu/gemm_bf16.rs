@@ -769,6 +769,35 @@ mod tests {
         kinds
     }
 
+    /// The bits of C from `gemm_bf16_to` on 2 threads (B in f32 slots, C's f32 sums unrounded).
+    /// `tiles` must be available and the operands hold what the shapes name.
+    fn c_bits(
+        tiles: Bf16Tiles,
+        (batch, m, n, k): (usize, usize, usize, usize),
+        (a, la): (Src, Layout),
+        (b, lb): (&[f32], Layout),
+    ) -> Vec<u32> {
+        let mut c = vec![f32::NAN; batch * m * n];
+        // SAFETY: the buffers hold what the shapes name; `tiles` is available (the callers').
+        unsafe {
+            gemm_bf16_to(
+                tiles,
+                (batch, m, n, k),
+                (a, la),
+                (Src::F32(b.as_ptr()), lb),
+                COut::F32(c.as_mut_ptr()),
+                2,
+                false,
+            )
+        };
+        c.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// bf16 values as stored in 2 bytes (`Program::is_two_byte`): their high halves.
+    fn halves_of(x: &[f32]) -> Vec<u16> {
+        x.iter().map(|x| (x.to_bits() >> 16) as u16).collect()
+    }
+
     /// An A stored in 2 bytes, row-major in whole tiles and blocks, is read by the AMX tiles
     /// where it lies (`ABlock::in_place`): the same bits as the same values in f32 slots,
     /// which are packed. Strided rows (a view) and a batch of two; and a height that is no
@@ -784,7 +813,7 @@ mod tests {
         {
             let row_stride = k + pad;
             let a: Vec<f32> = (0..batch * m * row_stride).map(value).collect();
-            let halves: Vec<u16> = a.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let halves = halves_of(&a);
             let b: Vec<f32> = (0..k * n).map(|i| value(i + 5)).collect();
             let la = Layout {
                 batch_stride: m * row_stride,
@@ -796,22 +825,7 @@ mod tests {
                 row_stride: n,
                 col_stride: 1,
             };
-            let run = |a: Src| {
-                let mut c = vec![f32::NAN; batch * m * n];
-                // SAFETY: the buffers hold what the shapes name; AMX is available.
-                unsafe {
-                    gemm_bf16_to(
-                        Bf16Tiles::Amx,
-                        (batch, m, n, k),
-                        (a, la),
-                        (Src::F32(b.as_ptr()), lb),
-                        COut::F32(c.as_mut_ptr()),
-                        2,
-                        false,
-                    )
-                };
-                c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-            };
+            let run = |a: Src| c_bits(Bf16Tiles::Amx, (batch, m, n, k), (a, la), (&b, lb));
             let (in_place, packed) = (run(Src::Halves(halves.as_ptr())), run(Src::F32(a.as_ptr())));
             let differ = in_place.iter().zip(&packed).filter(|(x, y)| x != y).count();
             assert!(
@@ -833,7 +847,7 @@ mod tests {
         let value = |i: usize| round_bf16(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
         for &(batch, m, n, k) in &[(1, 13, 37, 64), (2, 40, 16, 33), (1, 97, 32, 300)] {
             let a: Vec<f32> = (0..batch * m * k).map(value).collect();
-            let halves: Vec<u16> = a.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let halves = halves_of(&a);
             let b: Vec<f32> = (0..k * n).map(|i| value(i + 5)).collect();
             let la = Layout {
                 batch_stride: m * k,
@@ -846,22 +860,7 @@ mod tests {
                 col_stride: 1,
             };
             for tiles in tile_kinds() {
-                let run = |a: Src| {
-                    let mut c = vec![f32::NAN; batch * m * n];
-                    // SAFETY: the buffers hold what the shapes name; `available()`.
-                    unsafe {
-                        gemm_bf16_to(
-                            tiles,
-                            (batch, m, n, k),
-                            (a, la),
-                            (Src::F32(b.as_ptr()), lb),
-                            COut::F32(c.as_mut_ptr()),
-                            2,
-                            false,
-                        )
-                    };
-                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-                };
+                let run = |a: Src| c_bits(tiles, (batch, m, n, k), (a, la), (&b, lb));
                 let (from_halves, from_f32) =
                     (run(Src::Halves(halves.as_ptr())), run(Src::F32(a.as_ptr())));
                 let differ = from_halves
