@@ -1830,13 +1830,14 @@ fn hardware_and_links(
     let hw = if hardware == "this-cpu" {
         let c = crate::sim::calibrate::this_cpu()?;
         say!(
-            "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), in bf16 {:.1} GFLOP/s, causal attention {:.1} GFLOP/s, memory {:.1} GB/s, a launch {:.1} us",
+            "this-cpu, measured: GEMM 1024^3 {:.1} GFLOP/s ({:.0}% of the peak {:.1}: {}), in bf16 {:.1} GFLOP/s, causal attention {:.1} GFLOP/s (in bf16 {:.1}), memory {:.1} GB/s, a launch {:.1} us",
             c.gemm_gflops,
             100.0 * c.hardware.efficiency.matmul,
             c.hardware.peak_gflops_f32,
             c.peak_source,
             c.bf16_gemm_gflops,
             c.attention_gflops,
+            c.bf16_attention_gflops,
             c.memory_gbps,
             c.launch_us
         );

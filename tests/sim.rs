@@ -107,6 +107,72 @@ fn a_bf16_product_costs_the_bf16_rate() {
     assert!((p.step_s - want).abs() < 1e-12, "{} vs {want}", p.step_s);
 }
 
+/// The time `p` spent on attention, seconds.
+fn attention_s(p: &Prediction) -> f64 {
+    p.by_kind
+        .iter()
+        .find(|(kind, _)| kind == "attention")
+        .map(|(_, s)| *s)
+        .expect("an attention step")
+}
+
+// bf16-mixed's attention (bf16 casts of f32 q, k and v, folded into it) runs its products at the
+// bf16 peak, at the `attention_bf16` share of it where the hardware gives one and at the
+// `attention` share where it does not; an f32 attention stays at the f32 rate.
+#[test]
+fn bf16_attention_costs_the_bf16_rate() {
+    let attention = |bf16: bool| {
+        let body = if bf16 {
+            "  %3: bf16[2,4,256,64] = cast(%q, dtype=bf16)
+  %4: bf16[2,4,256,64] = cast(%k, dtype=bf16)
+  %5: bf16[2,4,256,64] = cast(%v, dtype=bf16)
+  %6: bf16[2,4,256,64] = attention(%3, %4, %5, causal=true, scale=0.125)
+  %7: f32[2,4,256,64] = cast(%6, dtype=f32)
+  output o = %7"
+        } else {
+            "  %3: f32[2,4,256,64] = attention(%q, %k, %v, causal=true, scale=0.125)
+  output o = %3"
+        };
+        text::parse(&format!(
+            "graph g {{
+  input %q: f32[2,4,256,64]
+  input %k: f32[2,4,256,64]
+  input %v: f32[2,4,256,64]
+{body}
+}}"
+        ))
+        .unwrap()
+    };
+    // Causal: half of the two products' 4·B·H·S²·D.
+    let flops = 4.0 * 2.0 * 4.0 * 256.0 * 256.0 * 64.0 / 2.0;
+    let close = |got: f64, want: f64| (got - want).abs() < 1e-12 * want.max(1.0);
+
+    let (_, f32_run) = on_round_gpu(&attention(false));
+    let want = flops / (1000e9 * 0.25);
+    assert!(close(attention_s(&f32_run), want), "{f32_run:?}");
+
+    let bf16 = attention(true);
+    let (program, bf16_run) = on_round_gpu(&bf16);
+    assert!(
+        program
+            .steps
+            .iter()
+            .any(|s| matches!(s, graphtrain_lowering::Step::Attention { bf16: true, .. })),
+        "a bf16 attention step:\n{program}"
+    );
+    let want = flops / (4000e9 * 0.25);
+    assert!(close(attention_s(&bf16_run), want), "{bf16_run:?}");
+
+    let mut hw = round_gpu();
+    hw.efficiency.attention_bf16 = Some(0.5);
+    let hw = Hardware::parse(&hw.to_ron(), "round with attention_bf16").unwrap();
+    assert_eq!(hw.efficiency.attention_bf16, Some(0.5), "it round-trips");
+    let program = lower_for(&bf16, &none(), &hw).unwrap();
+    let p = simulate(&program, &hw, Links::Hardware, 1).unwrap();
+    let want = flops / (4000e9 * 0.5);
+    assert!(close(attention_s(&p), want), "{p:?}");
+}
+
 fn tiny_on(mesh: &str) -> graphtrain_ir::Graph {
     let tiny = Llama3Config::builtin("tiny").unwrap();
     let mesh = Mesh::parse(mesh).unwrap();

@@ -1,9 +1,9 @@
 //! `this-cpu`: this host described for the simulator by measuring it, on the cpu backend, with
 //! kernels that are not any model's step: a 1024x1024x1024 GEMM (f32, and bf16 for the bf16
-//! matmuls' rate), a causal attention of 8
-//! heads of 512 x 64, an elementwise sum over 8M elements (memory bandwidth), and a program of
-//! one 64-element map (launch cost). The peak is the one MFU uses (`crate::peak`). Nothing here
-//! is fitted to a step the simulator predicts: the step's own time is never an input.
+//! matmuls' rate), a causal attention of 8 heads of 512 x 64 (f32, and bf16 for bf16-mixed's
+//! attention), an elementwise sum over 8M elements (memory bandwidth), and a program of one
+//! 64-element map (launch cost). The peak is the one MFU uses (`crate::peak`). Nothing here is
+//! fitted to a step the simulator predicts: the step's own time is never an input.
 
 use super::hardware::{Efficiency, Hardware, Kind, LinkSpec};
 use graphtrain_ir::{text, HostTensor};
@@ -19,6 +19,7 @@ pub struct Calibration {
     pub gemm_gflops: f64,
     pub bf16_gemm_gflops: f64,
     pub attention_gflops: f64,
+    pub bf16_attention_gflops: f64,
     pub memory_gbps: f64,
     pub launch_us: f64,
     pub peak_source: String,
@@ -90,6 +91,16 @@ pub fn this_cpu() -> Result<Calibration, String> {
         7,
     )?;
     let attention_gflops = 2.0 * (h * s * s * d) as f64 / attention_s / 1e9;
+    // bf16-mixed's attention (its casts fold into it, as in the step), for the share of the bf16
+    // peak it reaches: on AMX its products take a small part of the time, the softmax the rest.
+    let bf16_attention_s = time_graph(
+        &format!(
+            "graph attention {{\n  input %q: f32[1,{h},{s},{d}]\n  input %k: f32[1,{h},{s},{d}]\n  input %v: f32[1,{h},{s},{d}]\n  %3: bf16[1,{h},{s},{d}] = cast(%q, dtype=bf16)\n  %4: bf16[1,{h},{s},{d}] = cast(%k, dtype=bf16)\n  %5: bf16[1,{h},{s},{d}] = cast(%v, dtype=bf16)\n  %6: bf16[1,{h},{s},{d}] = attention(%3, %4, %5, causal=true, scale=0.125)\n  %7: f32[1,{h},{s},{d}] = cast(%6, dtype=f32)\n  output o = %7\n}}"
+        ),
+        2,
+        7,
+    )?;
+    let bf16_attention_gflops = 2.0 * (h * s * s * d) as f64 / bf16_attention_s / 1e9;
 
     let len = 8 << 20;
     let add_s = time_graph(
@@ -130,6 +141,7 @@ pub fn this_cpu() -> Result<Calibration, String> {
         efficiency: Efficiency {
             matmul: matmul_efficiency,
             attention: (attention_gflops / peak.gflops).min(1.0),
+            attention_bf16: Some((bf16_attention_gflops / bf16).min(1.0)),
             memory: 1.0,
         },
         gpus_per_node: cores,
@@ -152,6 +164,7 @@ pub fn this_cpu() -> Result<Calibration, String> {
         gemm_gflops,
         bf16_gemm_gflops,
         attention_gflops,
+        bf16_attention_gflops,
         memory_gbps,
         launch_us: launch_s * 1e6,
         peak_source: peak.source,

@@ -22,6 +22,11 @@ pub struct Efficiency {
     pub matmul: f64,
     /// Of the peak FLOP rate, for attention (its products and softmax in one kernel).
     pub attention: f64,
+    /// Of the bf16 peak, for bf16 attention (bf16-mixed's); absent (`None`), the same fraction
+    /// as `attention` (what a flash-attention kernel reaches on a GPU's tensor cores). A cpu's
+    /// calibration measures it: its tiles leave a bf16 attention's softmax a larger share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_bf16: Option<f64>,
     /// Of the memory bandwidth, for everything bound by bytes (maps, copies, reductions,
     /// AdamW, cross-entropy, gathers).
     pub memory: f64,
@@ -144,7 +149,13 @@ now) and no such file",
             ("efficiency.matmul", self.efficiency.matmul),
             ("efficiency.attention", self.efficiency.attention),
             ("efficiency.memory", self.efficiency.memory),
-        ];
+        ]
+        .into_iter()
+        .chain(
+            self.efficiency
+                .attention_bf16
+                .map(|x| ("efficiency.attention_bf16", x)),
+        );
         for (what, x) in fractions {
             if !(x > 0.0 && x <= 1.0) {
                 return Err(format!("`{what}` must be in (0, 1], not {x}"));
@@ -195,6 +206,9 @@ mod tests {
             e.contains("x.ron") && e.contains("efficiency.memory"),
             "{e}"
         );
+        let bad = h100.replace("memory: 0.8", "memory: 0.8, attention_bf16: Some(0.0)");
+        let e = Hardware::parse(&bad, "z.ron").unwrap_err();
+        assert!(e.contains("efficiency.attention_bf16"), "{e}");
         let e = Hardware::parse(&h100.replace("gpus_per_node: 8", "gpus_per_node: 0"), "y")
             .unwrap_err();
         assert!(e.contains("gpus_per_node"), "{e}");

@@ -165,7 +165,12 @@ pub fn simulate(
                 let t = (flops / flop_rate(dtype, hw.efficiency.matmul)).max(moved / bandwidth);
                 ("matmul", t)
             }
-            Step::Attention { q, causal, .. } | Step::AttentionBackward { q, causal, .. } => {
+            Step::Attention {
+                q, causal, bf16, ..
+            }
+            | Step::AttentionBackward {
+                q, causal, bf16, ..
+            } => {
                 let [b, h, s, d] = dims4(&q.shape);
                 let mut flops = 4.0 * (b * h * s * s * d) as f64;
                 if *causal {
@@ -175,7 +180,13 @@ pub fn simulate(
                 if matches!(step, Step::AttentionBackward { .. }) {
                     flops *= 2.5;
                 }
-                let t = flops / flop_rate(DType::F32, hw.efficiency.attention);
+                // bf16 attention (bf16-mixed's) runs its products at the bf16 rate.
+                let t = if *bf16 {
+                    let efficiency = hw.efficiency.attention_bf16;
+                    flops / flop_rate(DType::BF16, efficiency.unwrap_or(hw.efficiency.attention))
+                } else {
+                    flops / flop_rate(DType::F32, hw.efficiency.attention)
+                };
                 ("attention", t)
             }
             Step::CollectiveStart {
