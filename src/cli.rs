@@ -8,6 +8,7 @@ use crate::data::text::DEFAULT_VAL_FRACTION;
 use crate::data::tokenizer::{TextTokenizer, DEFAULT_VOCAB_SIZE};
 use crate::data::{DataSource, TextData};
 use crate::eval::{sample_text, Sampling, Validator};
+use crate::lr_schedule::{Decay, LrSchedule};
 use crate::metrics::MetricsWriter;
 use crate::replay::{self, BatchDump};
 use crate::step_report::{StepReport, TraceTarget};
@@ -602,7 +603,7 @@ pub struct TrainArgs {
     /// Seed of parameter init and data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Learning rate (constant).
+    /// Learning rate: every step's, or with `run --lr-warmup` / `--lr-decay` the peak.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
     #[command(flatten)]
@@ -1036,7 +1037,7 @@ impl TrainArgs {
             TrainConfig {
                 data,
                 seed: self.seed,
-                lr: self.lr,
+                lr: LrSchedule::constant(self.lr),
                 optim,
             },
             backend,
@@ -1080,6 +1081,18 @@ pub struct RunArgs {
     /// Train until this step (with --resume, steps already done count).
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
+    /// Warm the lr up linearly over this many steps: --lr / N at step 1, --lr at step N.
+    #[arg(long, default_value_t = 0)]
+    pub lr_warmup: u64,
+    /// After the warm-up, keep --lr (`none`) or decay it to --lr-min-ratio x --lr at the last
+    /// step, --steps (`linear`, or half a `cosine`). The lr of a step depends on its number and
+    /// these flags alone, so --resume continues the schedule where it stopped (given the same
+    /// flags; a checkpoint does not hold them).
+    #[arg(long, value_enum, default_value_t = Decay::None)]
+    pub lr_decay: Decay,
+    /// Where --lr-decay ends, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr_min_ratio: f64,
     /// Save parameters, optimizer state and the step count to this file (atomically) at the end,
     /// every --checkpoint-every steps, and with the last good state when a step fails. The file
     /// is safetensors: one tensor per parameter and optimizer-state tensor under the graph's
@@ -1123,6 +1136,19 @@ pub struct RunArgs {
     pub trace: TraceOutArgs,
     #[command(flatten)]
     pub eval: EvalArgs,
+}
+
+impl RunArgs {
+    /// The lr of every step the flags describe (unchecked: see `LrSchedule::check`).
+    fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak: self.train.lr,
+            warmup: self.lr_warmup,
+            decay: self.lr_decay,
+            min_ratio: self.lr_min_ratio,
+            total: self.steps,
+        }
+    }
 }
 
 /// Validation and a sample during `run` (text data).
@@ -2368,6 +2394,8 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
 
 fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
+    let lr = a.lr_schedule();
+    lr.check()?;
     if a.train.mesh.launcher == Some(Launcher::Fake) {
         let whole = [
             ("--checkpoint", a.checkpoint.is_some()),
@@ -2470,7 +2498,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         trainer.graph.nodes.len(),
         a.train.data,
         a.train.seed,
-        a.train.lr,
+        lr,
         t0.elapsed().as_secs_f64()
     );
     if let Some(run) = &mesh {
@@ -2578,10 +2606,11 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         path,
         step: a.trace.trace_step.unwrap_or(a.steps),
     });
+    trainer.set_lr_schedule(lr);
     let mut report = StepReport::new(
         &mut trainer,
         a.steps,
-        (flops_per_token, a.train.lr, peak),
+        (flops_per_token, !lr.is_constant(), peak),
         metrics,
         trace,
     )?;
@@ -2718,6 +2747,7 @@ fn run_config_json(a: &RunArgs, cfg: &Llama3Config, optim: &OptimConfig) -> serd
         "data": t.data.to_string(),
         "seed": t.seed,
         "lr": t.lr,
+        "lr_schedule": a.lr_schedule().to_string(),
         "optimizer": format!("{:?}", optim),
         "passes": match &t.passes.pipeline {
             Some(file) => file.display().to_string(),

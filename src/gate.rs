@@ -9,6 +9,7 @@
 //! steps are compiled by the one driver (`graphtrain_runtime::compile`, through the trainer).
 
 use crate::data::DataSource;
+use crate::lr_schedule::LrSchedule;
 use crate::trainer::{MeshRun, TrainConfig, Trainer};
 use crate::tuning::Tuning;
 use graphtrain_ir::autocast::Precision;
@@ -86,7 +87,7 @@ pub fn check_pipeline_tuned(
     let cfg = TrainConfig {
         data: DataSource::Random,
         seed: 0,
-        lr: 1e-3,
+        lr: LrSchedule::constant(1e-3),
         optim: OptimConfig::default(),
     };
     let tier = pipeline.tier();
@@ -201,7 +202,7 @@ pub fn train_on_backends_in(
         let cfg = TrainConfig {
             data: DataSource::Fixed,
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         };
         let no_passes = Pipeline::new(Vec::new());

@@ -16,7 +16,8 @@
 //!   started the run (it restarts at a resume header); `tflops` is the achieved TFLOP/s by
 //!   6(N - N_emb) + 12·L·D·T FLOPs per token; `mfu` is a fraction (0.12 = 12%), `null` where the
 //!   backend has no known peak; `memory_bytes` the executor's peak of live tensor bytes (on a
-//!   mesh, the largest rank's). A run on a mesh adds `"wait_s":[X,...]`: per rank, the seconds
+//!   mesh, the largest rank's); `lr` the learning rate of the step's update (its schedule's
+//!   value at that step). A run on a mesh adds `"wait_s":[X,...]`: per rank, the seconds
 //!   the step spent blocked in collective waits (for other ranks, or for the collective to
 //!   finish).
 //! - `"val"`: `{"kind":"val","step":N,"val_loss":X,"val_ppl":X}`: a validation after step N.
@@ -85,7 +86,6 @@ pub struct ValRecord {
 /// What a step's line needs beyond the trainer's `StepMetrics`: the rates the CLI derives.
 #[derive(Clone, Copy, Debug)]
 pub struct StepRates {
-    pub lr: f64,
     /// Achieved TFLOP/s.
     pub tflops: f64,
     /// Fraction of the peak, when one is known.
@@ -167,7 +167,7 @@ impl MetricsWriter {
             tflops: rates.tflops,
             mfu: rates.mfu,
             memory_bytes: m.peak_bytes,
-            lr: rates.lr,
+            lr: m.lr,
             wall_s: self.started.elapsed().as_secs_f64(),
             wait_s: m.wait_seconds.clone(),
         }))
@@ -307,6 +307,7 @@ mod tests {
             step,
             loss,
             grad_norm: 0.5,
+            lr: 1e-3,
             peak_bytes: 1 << 20,
             wait_seconds: Vec::new(),
             peer_wait_seconds: Vec::new(),
@@ -316,7 +317,6 @@ mod tests {
     }
 
     const RATES: StepRates = StepRates {
-        lr: 1e-3,
         tflops: 0.002,
         mfu: None,
     };

@@ -28,7 +28,8 @@ pub struct TraceTarget {
 
 pub struct StepReport {
     flops_per_token: f64,
-    lr: f64,
+    /// Whether each step's line shows its lr (a schedule that varies it).
+    show_lr: bool,
     peak: Option<Peak>,
     metrics: Option<MetricsWriter>,
     trace: Option<TraceTarget>,
@@ -40,7 +41,7 @@ impl StepReport {
     pub fn new(
         trainer: &mut Trainer,
         last_step: u64,
-        (flops_per_token, lr, peak): (f64, f64, Option<Peak>),
+        (flops_per_token, show_lr, peak): (f64, bool, Option<Peak>),
         metrics: Option<MetricsWriter>,
         trace: Option<TraceTarget>,
     ) -> Result<Self, String> {
@@ -76,7 +77,7 @@ impl StepReport {
             });
         Ok(StepReport {
             flops_per_token,
-            lr,
+            show_lr,
             peak,
             metrics,
             trace,
@@ -104,7 +105,6 @@ impl StepReport {
             w.step(
                 m,
                 &StepRates {
-                    lr: self.lr,
                     tflops: gflops / 1e3,
                     mfu: mfu_fraction,
                 },
@@ -119,6 +119,9 @@ impl StepReport {
             tps,
             gflops / 1e3,
         );
+        if self.show_lr {
+            line += &format!(" lr: {:.3e}", m.lr);
+        }
         if !m.wait_seconds.is_empty() {
             let per_rank: Vec<String> = m
                 .wait_seconds

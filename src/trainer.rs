@@ -15,6 +15,7 @@
 
 use crate::checkpoint::{Checkpoint, Header, RunIdentity, TensorEntry};
 use crate::data::{Batch, DataSource};
+use crate::lr_schedule::LrSchedule;
 use graphtrain_ir::autocast::{autocast, Precision};
 use graphtrain_ir::optim::{build_train_step, OptimConfig, TrainStep};
 use graphtrain_ir::{
@@ -54,7 +55,8 @@ fn err(e: impl fmt::Display) -> TrainError {
 pub struct TrainConfig {
     pub data: DataSource,
     pub seed: u64,
-    pub lr: f64,
+    /// The lr of each step, written into the step's `lr` input before it runs.
+    pub lr: LrSchedule,
     pub optim: OptimConfig,
 }
 
@@ -460,6 +462,8 @@ pub struct StepMetrics {
     pub step: u64,
     pub loss: f64,
     pub grad_norm: f64,
+    /// The learning rate this step's update used.
+    pub lr: f64,
     /// Peak bytes of live tensors at graph dtypes, as the executor accounted them.
     pub peak_bytes: usize,
     pub seconds: f64,
@@ -865,7 +869,7 @@ has {ty}",
             match feed {
                 Feed::Tokens => slot.data = part(block, &b.tokens),
                 Feed::Targets => slot.data = part(block, &b.targets),
-                Feed::Lr => *slot = HostTensor::scalar(slot.ty.dtype, self.cfg.lr),
+                Feed::Lr => *slot = HostTensor::scalar(slot.ty.dtype, self.cfg.lr.at(step_no)),
                 Feed::Step => *slot = HostTensor::scalar(slot.ty.dtype, step_no as f64),
                 Feed::Carried => {}
             }
@@ -919,6 +923,7 @@ has {ty}",
             step: step_no,
             loss,
             grad_norm,
+            lr: self.cfg.lr.at(step_no),
             peak_bytes: exec.memory_bytes(),
             seconds,
             tokens,
@@ -949,6 +954,11 @@ has {ty}",
                 other.identity()
             ))),
         }
+    }
+
+    /// Feeds `lr` from the next step on (the steps already done keep what they used).
+    pub fn set_lr_schedule(&mut self, lr: LrSchedule) {
+        self.cfg.lr = lr;
     }
 
     /// Steps completed so far.

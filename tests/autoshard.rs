@@ -9,6 +9,7 @@ use graphtrain::data::DataMode;
 use graphtrain::ir::autocast::Precision;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, Mesh, Placement};
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::parallelize::Plan;
 use graphtrain::passes::Pipeline;
@@ -175,7 +176,7 @@ fn train(mesh: Option<(&Mesh, &Plan)>) -> (Vec<f64>, BTreeMap<String, HostTensor
         TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         },
         Backend::Cpu,

@@ -1011,6 +1011,7 @@ fn tiny_train_step_on_wgpu_matches_the_interpreter_and_its_eager_run() {
 fn a_step_with_long_rows_on_wgpu_matches_cpu() {
     use graphtrain::data::DataSource;
     use graphtrain::ir::optim::OptimConfig;
+    use graphtrain::lr_schedule::LrSchedule;
     use graphtrain::trainer::{TrainConfig, Trainer};
     use graphtrain_runtime::CompileOptions;
     let mut cfg = graphtrain::models::Llama3Config::builtin("tiny").unwrap();
@@ -1023,7 +1024,7 @@ fn a_step_with_long_rows_on_wgpu_matches_cpu() {
         let tc = TrainConfig {
             data: DataSource::Fixed,
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         };
         let options = CompileOptions::new(&pipeline, Mode::Fused);
@@ -1659,6 +1660,7 @@ fn offloaded_values_come_back_unchanged() {
 #[test]
 fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu() {
     use graphtrain::data::DataSource;
+    use graphtrain::lr_schedule::LrSchedule;
     use graphtrain::trainer::{TrainConfig, Trainer};
     use graphtrain_ir::optim::OptimConfig;
     use graphtrain_passes::{PipelineSpec, Registry};
@@ -1673,7 +1675,7 @@ fn offload_moves_saved_activations_to_host_memory_on_devices_and_says_so_on_cpu(
         let cfg = TrainConfig {
             data: DataSource::Random,
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         };
         Trainer::build_on(

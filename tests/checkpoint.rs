@@ -13,6 +13,7 @@ use graphtrain::data::DataMode;
 use graphtrain::gate;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, InputKind};
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
@@ -29,7 +30,7 @@ fn trainer(seed: u64) -> Trainer {
     let cfg = TrainConfig {
         data: DataMode::Random.into(),
         seed,
-        lr: 1e-2,
+        lr: LrSchedule::constant(1e-2),
         optim: OptimConfig::default(),
     };
     Trainer::new(&tiny(), cfg, &Pipeline::new(Vec::new())).unwrap()

@@ -75,6 +75,88 @@ fn run_tiny_prints_torchtitan_style_step_lines() {
 /// A step that cannot fit says so with the numbers before allocating: on the host (the 8b
 /// model's f64 parameter and state copies exceed any machine this runs on, and a limit makes
 /// that certain) and on the cpu backend (its arena, from the buffer plan).
+// `--lr-warmup` and `--lr-decay` schedule the lr that each step line and the metrics log show;
+// a schedule that cannot be run is refused naming the flag.
+#[test]
+fn run_schedules_the_lr_and_refuses_an_impossible_schedule() {
+    let dir = scratch_dir("lr-schedule");
+    let metrics = dir.join("run.jsonl");
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "4",
+        "--data",
+        "fixed",
+        "--lr",
+        "0.01",
+        "--lr-warmup",
+        "2",
+        "--lr-decay",
+        "linear",
+        "--lr-min-ratio",
+        "0",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let shown: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("step:"))
+        .map(|l| l.split("lr: ").nth(1).expect("the step line shows its lr"))
+        .collect();
+    assert_eq!(
+        shown,
+        ["5.000e-3", "1.000e-2", "5.000e-3", "0.000e0"],
+        "{out}"
+    );
+    assert!(
+        out.contains("lr 0.01, warm-up 2 steps, linear to 0x at step 4"),
+        "{out}"
+    );
+    let logged: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "step")
+        .map(|v| v["lr"].as_f64().unwrap())
+        .collect();
+    assert_eq!(logged, [0.005, 0.01, 0.005, 0.0]);
+
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "4",
+        "--data",
+        "fixed",
+        "--lr-warmup",
+        "4",
+        "--lr-decay",
+        "cosine",
+    ]);
+    assert_clean_error(&o, &["--lr-decay cosine", "--lr-warmup", "--steps"]);
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "4",
+        "--data",
+        "fixed",
+        "--lr-decay",
+        "cosine",
+        "--lr-min-ratio",
+        "2",
+    ]);
+    assert_clean_error(&o, &["--lr-min-ratio must be in [0, 1]"]);
+    let o = graphtrain(&["run", "--config", "tiny", "--lr-decay", "exponential"]);
+    assert_clean_error(&o, &["exponential", "cosine"]);
+}
+
 #[test]
 fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
     let limited = |args: &[&str]| {

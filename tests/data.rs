@@ -8,6 +8,7 @@ use graphtrain::data::prepare::{encode_corpus, prepare_tokens, PrepareOptions};
 use graphtrain::data::tokenizer::TextTokenizer;
 use graphtrain::data::tokens::{write_token_file, TokenFile, TokenHeader, HEADER_BYTES};
 use graphtrain::data::{DataMode, DataSource, TextData};
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::trainer::{TrainConfig, Trainer};
 use graphtrain_ir::optim::OptimConfig;
 use graphtrain_models::Llama3Config;
@@ -438,7 +439,7 @@ fn tokenizer_larger_than_the_model_vocab_is_refused() {
     let cfg = || TrainConfig {
         data: data.clone(),
         seed: 0,
-        lr: 1e-3,
+        lr: LrSchedule::constant(1e-3),
         optim: OptimConfig::default(),
     };
     let model = tiny_with_vocab(256);

@@ -6,6 +6,7 @@ use graphtrain::checkpoint;
 use graphtrain::data::{batch, DataMode};
 use graphtrain::eval::{generate, validate, Forward, Sampling};
 use graphtrain::ir::optim::OptimConfig;
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
@@ -20,7 +21,7 @@ fn trainer_on(backend: Backend) -> Trainer {
     let cfg = TrainConfig {
         data: DataMode::Fixed.into(),
         seed: 5,
-        lr: 1e-2,
+        lr: LrSchedule::constant(1e-2),
         optim: OptimConfig::default(),
     };
     let mut t = Trainer::new(&tiny(), cfg, &Pipeline::new(Vec::new())).unwrap();

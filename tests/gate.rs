@@ -146,6 +146,7 @@ fn bf16_mixed_fused_is_bitwise_eager_on_tiny() {
 fn device_graphs_replay_bitwise_on_tiny() {
     use graphtrain::data::DataSource;
     use graphtrain::ir::optim::OptimConfig;
+    use graphtrain::lr_schedule::LrSchedule;
     use graphtrain::trainer::{TrainConfig, Trainer};
     use graphtrain::tuning::Tuning;
     use graphtrain_lowering::Mode;
@@ -168,7 +169,7 @@ fn device_graphs_replay_bitwise_on_tiny() {
         let cfg = TrainConfig {
             data: DataSource::Fixed,
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         };
         let options = CompileOptions::new(&pipeline, Mode::Fused);
@@ -192,6 +193,7 @@ fn device_graphs_replay_bitwise_on_tiny() {
 fn a_device_arena_split_across_buffers_trains_bitwise_as_one() {
     use graphtrain::data::DataSource;
     use graphtrain::ir::optim::OptimConfig;
+    use graphtrain::lr_schedule::LrSchedule;
     use graphtrain::trainer::{TrainConfig, Trainer};
     use graphtrain_lowering::Mode;
     use graphtrain_runtime::CompileOptions;
@@ -203,7 +205,7 @@ fn a_device_arena_split_across_buffers_trains_bitwise_as_one() {
                 let cfg = TrainConfig {
                     data: DataSource::Fixed,
                     seed: 0,
-                    lr: 1e-3,
+                    lr: LrSchedule::constant(1e-3),
                     optim: OptimConfig::default(),
                 };
                 let mut options = CompileOptions::new(&pipeline, mode);

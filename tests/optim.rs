@@ -5,6 +5,7 @@
 use graphtrain::data::DataMode;
 use graphtrain::ir::optim::{OptimConfig, Optimizer};
 use graphtrain::ir::InputKind;
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
@@ -19,7 +20,7 @@ fn sgd_trainer(max_grad_norm: Option<f64>, backend: Backend) -> Trainer {
         TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
-            lr: LR,
+            lr: LrSchedule::constant(LR),
             optim: OptimConfig {
                 optimizer: Optimizer::Sgd { weight_decay: 0.0 },
                 max_grad_norm,

@@ -15,6 +15,7 @@ use graphtrain::data::DataMode;
 use graphtrain::ir::autocast::Precision;
 use graphtrain::ir::optim::OptimConfig;
 use graphtrain::ir::{HostTensor, Mesh};
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::parallelize::Plan;
 use graphtrain::passes::{Pipeline, PipelineSpec, Registry};
@@ -77,7 +78,7 @@ fn build_in(
         TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         },
         backend,
@@ -246,7 +247,7 @@ fn device_ranks_with_split_arenas_train_bitwise_as_with_one_buffer() {
         let cfg = TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         };
         let mut t = Trainer::build_on(

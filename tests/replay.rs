@@ -7,6 +7,7 @@
 use graphtrain::checkpoint;
 use graphtrain::data::{batch, Batch, DataMode};
 use graphtrain::ir::optim::OptimConfig;
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::replay::batch_rows;
@@ -150,7 +151,7 @@ fn dumped_batches_and_initial_weights_are_exact() {
         TrainConfig {
             data: DataMode::Random.into(),
             seed: 5,
-            lr: 1e-3,
+            lr: LrSchedule::constant(1e-3),
             optim: OptimConfig::default(),
         },
         &Pipeline::new(Vec::new()),

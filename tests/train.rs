@@ -5,6 +5,7 @@
 use graphtrain::checkpoint::RunIdentity;
 use graphtrain::data::DataMode;
 use graphtrain::ir::optim::OptimConfig;
+use graphtrain::lr_schedule::{Decay, LrSchedule};
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::Pipeline;
 use graphtrain::trainer::{TrainConfig, Trainer};
@@ -18,7 +19,7 @@ fn trainer(data: DataMode, lr: f64) -> Trainer {
         TrainConfig {
             data: data.into(),
             seed: 0,
-            lr,
+            lr: LrSchedule::constant(lr),
             optim: OptimConfig::default(),
         },
         &Pipeline::new(Vec::new()),
@@ -52,6 +53,41 @@ fn loss_falls_monotonically_and_fast_at_a_high_learning_rate() {
         losses[19] < 0.5 * losses[0],
         "loss fell too little: {losses:?}"
     );
+}
+
+// A schedule's lr reaches the update of its step: warm-up over two steps to `peak` trains as a
+// constant `peak / 2` for step 1 followed by a constant `peak`, bit for bit. Fed the peak from
+// step 1 (a schedule that never reached the step input), step 2's loss would differ.
+#[test]
+fn each_step_updates_with_its_scheduled_lr() {
+    let peak = 1e-2;
+    let mut warm = trainer(DataMode::Fixed, peak);
+    warm.set_lr_schedule(LrSchedule {
+        peak,
+        warmup: 2,
+        decay: Decay::Cosine,
+        min_ratio: 0.1,
+        total: 4,
+    });
+    let mut by_hand = trainer(DataMode::Fixed, peak / 2.0);
+    let mut pairs = Vec::new();
+    for step in 1..=4u64 {
+        let scheduled = match step {
+            1 => peak / 2.0,
+            2 => peak,
+            // Half of the decay (steps 3 and 4) done: the mean of peak and floor; then the floor.
+            3 => 0.55 * peak,
+            _ => 0.1 * peak,
+        };
+        by_hand.set_lr_schedule(LrSchedule::constant(scheduled));
+        let (a, b) = (warm.step().unwrap(), by_hand.step().unwrap());
+        assert!((a.lr - scheduled).abs() < 1e-15, "step {step}: lr {}", a.lr);
+        pairs.push((a.loss, b.loss));
+    }
+    for (step, (a, b)) in pairs.iter().enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {}: {pairs:?}", step + 1);
+    }
+    assert_ne!(pairs[1].0, pairs[0].0, "the steps trained");
 }
 
 #[test]

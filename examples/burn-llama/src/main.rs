@@ -16,6 +16,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::Parser;
 use graphtrain::data::{Batch, DataSource};
 use graphtrain::ir::optim::{OptimConfig, Optimizer as GtOptimizer};
+use graphtrain::lr_schedule::LrSchedule;
 use graphtrain::models::Llama3Config;
 use graphtrain::passes::pipeline::PipelineSpec;
 use graphtrain::passes::registry::Registry;
@@ -201,7 +202,7 @@ fn train_with_graphtrain(
         TrainConfig {
             data,
             seed: args.seed,
-            lr: args.lr,
+            lr: LrSchedule::constant(args.lr),
             optim: OptimConfig::default(),
         },
         backend,
