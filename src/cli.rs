@@ -130,7 +130,8 @@ pub enum Command {
     #[command(subcommand)]
     Passes(PassesCommand),
     /// Draw a metrics log (`run --metrics`) as panels against step: loss and validation loss,
-    /// tokens/s, memory; or, with --trace, a timeline (`run --trace-out`) as lanes.
+    /// tokens/s, memory, and the lr where a schedule varies it; or, with --trace, a timeline
+    /// (`run --trace-out`) as lanes.
     Plot(PlotArgs),
     /// Sample text from a checkpoint of a run on text data (its tokenizer travels with it).
     Generate(GenerateArgs),

@@ -1,7 +1,7 @@
 //! Charts of a run that can be looked at without a browser (`graphtrain plot`): the metrics log
-//! as panels against step (loss and validation loss, tokens/s, memory), a step's timeline as
-//! lanes (a Gantt chart of what ran when), and searches' best-so-far speed against the pairs
-//! they timed.
+//! as panels against step (loss and validation loss, tokens/s, memory, a scheduled lr), a step's
+//! timeline as lanes (a Gantt chart of what ran when), and searches' best-so-far speed against
+//! the pairs they timed.
 //!
 //! The file's extension picks the format: `.svg` (text as SVG `<text>`, rendered by the viewer)
 //! or `.png` (text rasterized with the Hack font bundled in `epaint_default_fonts`, so no system
@@ -74,7 +74,8 @@ fn render(
     }
 }
 
-/// Loss (with validation loss where logged), tokens/s and memory against step, one panel each.
+/// Loss (with validation loss where logged), tokens/s, memory and, where it varies, the learning
+/// rate against step, one panel each.
 pub fn plot_metrics(log: &MetricsLog, source: &Path, out: &Path) -> Result<(), String> {
     if log.steps.is_empty() {
         return Err(format!(
@@ -119,7 +120,9 @@ fn metrics_panels<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let panels = root.split_evenly((3, 1));
+    // A scheduled lr (`run --lr-warmup`, `--lr-decay`) gets a panel of its own.
+    let lr_varies = log.steps.iter().any(|s| s.lr != log.steps[0].lr);
+    let panels = root.split_evenly((if lr_varies { 4 } else { 3 }, 1));
     let steps: Vec<f64> = log.steps.iter().map(|s| s.step as f64).collect();
     let first = steps[0].min(log.vals.first().map_or(f64::MAX, |v| v.step as f64));
     let last = steps[steps.len() - 1].max(log.vals.last().map_or(f64::MIN, |v| v.step as f64));
@@ -175,13 +178,23 @@ where
     series_panel(
         &panels[2],
         "memory (MiB, executor peak of live tensors)",
-        x,
+        x.clone(),
         log.steps
             .iter()
             .map(|s| (s.step as f64, s.memory_bytes as f64 / (1024.0 * 1024.0)))
             .collect(),
         MAGENTA.mix(0.9),
-    )
+    )?;
+    if lr_varies {
+        series_panel(
+            &panels[3],
+            "learning rate",
+            x,
+            log.steps.iter().map(|s| (s.step as f64, s.lr)).collect(),
+            CYAN.mix(0.9),
+        )?;
+    }
+    Ok(())
 }
 
 fn series_panel<DB: DrawingBackend>(

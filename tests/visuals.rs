@@ -163,6 +163,26 @@ fn plots_are_written_as_svg_and_png_and_bad_logs_are_refused_by_line() {
     for caption in ["loss", "tokens/s", "memory"] {
         assert!(body.contains(caption), "no `{caption}` panel");
     }
+    assert!(
+        !body.contains("learning rate"),
+        "a constant lr has no panel"
+    );
+    // A scheduled lr has one.
+    let scheduled = d.join("scheduled.jsonl");
+    ok(&graphtrain(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "3",
+        "--lr-warmup",
+        "2",
+        "--metrics",
+        s(&scheduled),
+    ]));
+    ok(&graphtrain(&["plot", s(&scheduled), "--out", s(&svg)]));
+    let body = std::fs::read_to_string(&svg).unwrap();
+    assert!(body.contains("learning rate"), "no learning-rate panel");
     let png = d.join("loss.png");
     ok(&graphtrain(&["plot", s(&log), "--out", s(&png)]));
     let bytes = std::fs::read(&png).unwrap();
