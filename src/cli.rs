@@ -1087,8 +1087,8 @@ pub struct RunArgs {
     pub lr_warmup: u64,
     /// After the warm-up, keep --lr (`none`) or decay it to --lr-min-ratio x --lr at the last
     /// step, --steps (`linear`, or half a `cosine`). The lr of a step depends on its number and
-    /// these flags alone, so --resume continues the schedule where it stopped (given the same
-    /// flags; a checkpoint does not hold them).
+    /// these flags alone, so --resume continues the schedule where it stopped, given the same
+    /// flags (a checkpoint records its schedule, and a resume under another one says so).
     #[arg(long, value_enum, default_value_t = Decay::None)]
     pub lr_decay: Decay,
     /// Where --lr-decay ends, as a fraction of --lr.
@@ -2524,6 +2524,17 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                 ckpt.header.fingerprint
             );
         }
+        // The schedule is not part of the run's identity (a run may be resumed with another
+        // one), but a resume that forgets a flag would change the lr silently: say so.
+        let schedule = lr.to_string();
+        if let Some(saved) = ckpt.header.extra.get(LR_SCHEDULE_KEY) {
+            if *saved != schedule {
+                say!(
+                    "note: {} was trained with lr {saved}; this run goes on with lr {schedule}",
+                    path.display()
+                );
+            }
+        }
         trainer
             .restore(ckpt, &run_id)
             .map_err(|e| format!("--resume {}: {e}", path.display()))?;
@@ -2537,12 +2548,15 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
         let Some(path) = &a.checkpoint else {
             return Ok(());
         };
-        let with_tokenizer = |ckpt: &mut checkpoint::Checkpoint| {
+        let with_extra = |ckpt: &mut checkpoint::Checkpoint| {
             if let Some(json) = &tokenizer_json {
                 ckpt.header
                     .extra
                     .insert(TOKENIZER_KEY.to_string(), json.clone());
             }
+            ckpt.header
+                .extra
+                .insert(LR_SCHEDULE_KEY.to_string(), lr.to_string());
         };
         match (mpi_rank_of_this_process(), &mesh) {
             // Each MPI rank writes its parts; once all have, rank 0 commits the manifest.
@@ -2550,7 +2564,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                 let (mut part, placements) = trainer
                     .checkpoint_part(run_id.clone())
                     .map_err(|e| e.to_string())?;
-                with_tokenizer(&mut part);
+                with_extra(&mut part);
                 let wrote = crate::sharded::save_part(path, rank, &part);
                 trainer
                     .every_rank_ok(&wrote)
@@ -2566,7 +2580,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                 let mut ckpt = trainer
                     .checkpoint(run_id.clone())
                     .map_err(|e| e.to_string())?;
-                with_tokenizer(&mut ckpt);
+                with_extra(&mut ckpt);
                 checkpoint::save(path, &ckpt)
             }
         }
@@ -2689,6 +2703,9 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
 
 /// The checkpoint metadata entry that holds the run's tokenizer (`tokenizer.json` text).
 const TOKENIZER_KEY: &str = "tokenizer.json";
+/// The lr schedule a checkpoint's run trained with (`LrSchedule`'s text), to say so when a
+/// resume goes on with another.
+const LR_SCHEDULE_KEY: &str = "lr_schedule";
 
 fn generate(a: GenerateArgs) -> Result<(), String> {
     let ckpt = checkpoint::load(&a.checkpoint)?;

@@ -155,6 +155,48 @@ fn run_schedules_the_lr_and_refuses_an_impossible_schedule() {
     assert_clean_error(&o, &["--lr-min-ratio must be in [0, 1]"]);
     let o = graphtrain(&["run", "--config", "tiny", "--lr-decay", "exponential"]);
     assert_clean_error(&o, &["exponential", "cosine"]);
+
+    // A checkpoint keeps the schedule it trained with: a resume under the same one goes on
+    // quietly, one under another says so.
+    let ckpt = dir.join("warm.ckpt");
+    let base = [
+        "run",
+        "--config",
+        "tiny",
+        "--data",
+        "fixed",
+        "--lr-warmup",
+        "4",
+    ];
+    let o = graphtrain(
+        &[
+            &base[..],
+            &["--steps", "2", "--checkpoint", ckpt.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resume = ["--steps", "3", "--resume", ckpt.to_str().unwrap()];
+    let o = graphtrain(&[&base[..], &resume].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !stdout(&o).contains("was trained with lr"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(
+        stdout(&o).contains("lr: 7.500e-4"),
+        "step 3 of the warm-up: {}",
+        stdout(&o)
+    );
+    let o = graphtrain(&[&base[..5], &resume].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o)
+            .contains("was trained with lr 0.001, warm-up 4 steps; this run goes on with lr 0.001"),
+        "{}",
+        stdout(&o)
+    );
 }
 
 #[test]
