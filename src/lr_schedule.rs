@@ -105,7 +105,7 @@ impl fmt::Display for Decay {
 }
 
 impl fmt::Display for LrSchedule {
-    /// `1e-3`, or `1e-3, warm-up 100 steps, cosine to 0.1x at step 1000`.
+    /// `0.001`, or `0.001, warm-up 100 steps, cosine to 0.1x at step 1000`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.peak)?;
         if self.warmup > 0 {

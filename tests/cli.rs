@@ -72,9 +72,6 @@ fn run_tiny_prints_torchtitan_style_step_lines() {
     }
 }
 
-/// A step that cannot fit says so with the numbers before allocating: on the host (the 8b
-/// model's f64 parameter and state copies exceed any machine this runs on, and a limit makes
-/// that certain) and on the cpu backend (its arena, from the buffer plan).
 // `--lr-warmup` and `--lr-decay` schedule the lr that each step line and the metrics log show;
 // a schedule that cannot be run is refused naming the flag.
 #[test]
@@ -199,6 +196,9 @@ fn run_schedules_the_lr_and_refuses_an_impossible_schedule() {
     );
 }
 
+/// A step that cannot fit says so with the numbers before allocating: on the host (the 8b
+/// model's f64 parameter and state copies exceed any machine this runs on, and a limit makes
+/// that certain) and on the cpu backend (its arena, from the buffer plan).
 #[test]
 fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
     let limited = |args: &[&str]| {

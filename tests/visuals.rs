@@ -146,15 +146,20 @@ fn a_run_logs_every_step_and_a_resumed_run_appends() {
 fn plots_are_written_as_svg_and_png_and_bad_logs_are_refused_by_line() {
     let d = dir("plot");
     let log = d.join("m.jsonl");
-    ok(&graphtrain(&[
-        "run",
-        "--config",
-        "tiny",
-        "--steps",
-        "3",
-        "--metrics",
-        s(&log),
-    ]));
+    // Three steps of `tiny` logged to `log`, with `flags`.
+    let run = |log: &Path, flags: &[&str]| {
+        let base = [
+            "run",
+            "--config",
+            "tiny",
+            "--steps",
+            "3",
+            "--metrics",
+            s(log),
+        ];
+        ok(&graphtrain(&[&base[..], flags].concat()))
+    };
+    run(&log, &[]);
     let svg = d.join("loss.svg");
     let out = ok(&graphtrain(&["plot", s(&log), "--out", s(&svg)]));
     assert!(out.contains("3 steps"), "{out}");
@@ -169,17 +174,7 @@ fn plots_are_written_as_svg_and_png_and_bad_logs_are_refused_by_line() {
     );
     // A scheduled lr has one.
     let scheduled = d.join("scheduled.jsonl");
-    ok(&graphtrain(&[
-        "run",
-        "--config",
-        "tiny",
-        "--steps",
-        "3",
-        "--lr-warmup",
-        "2",
-        "--metrics",
-        s(&scheduled),
-    ]));
+    run(&scheduled, &["--lr-warmup", "2"]);
     ok(&graphtrain(&["plot", s(&scheduled), "--out", s(&svg)]));
     let body = std::fs::read_to_string(&svg).unwrap();
     assert!(body.contains("learning rate"), "no learning-rate panel");
