@@ -996,9 +996,7 @@ impl TrainArgs {
     /// `setup_with` under `tuning` instead of `--tuning`.
     fn setup_tuned(&self, pipeline: Pipeline, tuning: &Tuning) -> Result<Setup, String> {
         let cfg = model_config(&self.model)?;
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(format!("--lr must be a positive number, got {}", self.lr));
-        }
+        LrSchedule::constant(self.lr).check()?;
         let optim = self.optim.config()?;
         let backend: Backend = self.backend.parse()?;
         if let Some(why) = backend.unavailable() {
