@@ -541,6 +541,11 @@ pub struct OptimArgs {
     /// Clip the global gradient norm to this value (no clipping when absent).
     #[arg(long)]
     pub max_grad_norm: Option<f64>,
+    /// Split each step's batch into N micro-batches that run one after another in the step,
+    /// their gradients summed before the one update (gradient accumulation): only one
+    /// micro-batch's activations are live at a time. The batch must split evenly.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub micro_batches: u32,
 }
 
 impl OptimArgs {
@@ -563,9 +568,13 @@ impl OptimArgs {
                 weight_decay: self.weight_decay,
             },
         };
+        if self.micro_batches == 0 {
+            return Err("--micro-batches must be at least 1 (1: the batch is not split)".into());
+        }
         Ok(OptimConfig {
             optimizer,
             max_grad_norm: self.max_grad_norm,
+            micro_batches: self.micro_batches,
         })
     }
 }
@@ -575,6 +584,10 @@ impl OptimArgs {
 pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Rows per step (over all ranks) instead of the config's batch: the rows each update
+    /// sees, split into --micro-batches where given.
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Where the step executes: `cpu` (cubecl-cpu kernels and a native GEMM), `wgpu` (any
     /// Vulkan/Metal/DX12 GPU, or lavapipe; correct, not yet fast), `cuda` (built with
     /// `--features cuda`; not yet run on a GPU), `reference` (the interpreter: slow, the numerics
@@ -995,7 +1008,7 @@ impl TrainArgs {
 
     /// `setup_with` under `tuning` instead of `--tuning`.
     fn setup_tuned(&self, pipeline: Pipeline, tuning: &Tuning) -> Result<Setup, String> {
-        let cfg = model_config(&self.model)?;
+        let cfg = model_with_batch(&self.model, self.batch)?;
         LrSchedule::constant(self.lr).check()?;
         let optim = self.optim.config()?;
         let backend: Backend = self.backend.parse()?;
@@ -1393,7 +1406,7 @@ fn search(a: SearchArgs, registry: &Registry) -> Result<(), String> {
         return Err("--worker-timeout must be a number of seconds above 0".into());
     }
     // Checked here, where a mistake is one error, not a crash logged per experiment.
-    model_config(&a.train.model)?;
+    model_with_batch(&a.train.model, a.train.batch)?;
     a.train.optim.config()?;
     let mut objective: Box<dyn graphtrain_autoresearch::search::Objective + '_> =
         match a.objective.as_str() {
@@ -1548,7 +1561,7 @@ fn worker_args() -> Result<Vec<OsString>, String> {
 
 /// `graphtrain search-worker`: what `search` supervises.
 fn search_worker(a: SearchArgs, registry: &Registry) -> Result<(), String> {
-    let cfg = model_config(&a.train.model)?;
+    let cfg = model_with_batch(&a.train.model, a.train.batch)?;
     let optim = a.train.optim.config()?;
     let mesh = a.train.mesh.mesh_run()?;
     let mut measured =
@@ -1574,7 +1587,7 @@ fn sim_objective<'r>(
     } else {
         crate::sim::hardware::Hardware::load(name)?
     };
-    let model = model_config(&a.train.model)?;
+    let model = model_with_batch(&a.train.model, a.train.batch)?;
     let optim = a.train.optim.config()?;
     let precision = a.train.precision()?;
     let run = a.train.mesh.mesh_run()?;
@@ -2502,6 +2515,14 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
     );
     if let Some(run) = &mesh {
         say!("{}", describe_mesh_run(run, cfg.batch));
+    }
+    let micro_batches = trainer.graph.micro_batches() as usize;
+    if micro_batches > 1 {
+        say!(
+            "batch of {} rows in {micro_batches} micro-batches of {}, run one after another, gradients summed before the update",
+            cfg.batch,
+            cfg.batch / micro_batches
+        );
     }
     if let Some(path) = &a.resume {
         // An MPI rank reads only the rank files that hold its own parts.

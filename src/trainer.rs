@@ -85,7 +85,7 @@ pub fn build_step(
     dtype: DType,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    build_from_forward(model, dtype, Precision::F32, None, |forward| {
+    build_from_forward(model, dtype, Precision::F32, None, optim, |forward| {
         build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
     })
 }
@@ -96,7 +96,7 @@ pub fn build_step_in(
     precision: Precision,
     optim: &OptimConfig,
 ) -> Result<Traced, TrainError> {
-    build_from_forward(model, DType::F32, precision, None, |forward| {
+    build_from_forward(model, DType::F32, precision, None, optim, |forward| {
         build_train_step(forward, "loss", optim).map_err(|e| e.to_string())
     })
 }
@@ -115,23 +115,26 @@ pub struct ImportedModel {
 
 /// Traces `model`'s forward pass and loss in `dtype` (or takes `imported`'s), makes the train
 /// step of it with `to_step` (backward and optimizer, for one device or every rank), and
-/// verifies the result.
+/// verifies the result. Where `optim` splits the batch into micro-batches, the forward is
+/// traced at one micro-batch's rows.
 fn build_from_forward(
     model: &Llama3Config,
     dtype: DType,
     precision: Precision,
     imported: Option<&ImportedModel>,
+    optim: &OptimConfig,
     to_step: impl FnOnce(graphtrain_ir::Traced) -> Result<TrainStep, String>,
 ) -> Result<Traced, TrainError> {
     model
         .validate()
         .map_err(|e| err(format!("invalid config: {e}")))?;
+    let micro = micro_batch_model(model, optim.micro_batches, imported.is_some())?;
     let t0 = Instant::now();
     let mut forward = match imported {
         Some(m) if dtype == DType::F32 => m.forward.clone(),
         Some(_) => return Err(err("an imported model trains in f32 (or bf16-mixed)")),
         None => tracing::info_span!("trace")
-            .in_scope(|| model.trace(dtype))
+            .in_scope(|| micro.trace(dtype))
             .map_err(|e| err(format!("tracing failed: {e}")))?,
     };
     forward.graph = autocast(&forward.graph, precision)
@@ -153,6 +156,33 @@ fn build_from_forward(
             verify: t3 - t2,
             ..BuildTimings::default()
         },
+    })
+}
+
+/// `model` at one micro-batch's rows, when the batch is split into `micro_batches`.
+fn micro_batch_model(
+    model: &Llama3Config,
+    micro_batches: u32,
+    imported: bool,
+) -> Result<Llama3Config, TrainError> {
+    let n = micro_batches as usize;
+    if n <= 1 {
+        return Ok(model.clone());
+    }
+    if imported {
+        return Err(err(format!(
+            "--micro-batches {n}: an imported model's forward comes traced at the whole batch; splitting it is not built"
+        )));
+    }
+    if !model.batch.is_multiple_of(n) {
+        return Err(err(format!(
+            "--micro-batches {n}: the batch of {} rows does not split into {n} equal micro-batches",
+            model.batch
+        )));
+    }
+    Ok(Llama3Config {
+        batch: model.batch / n,
+        ..model.clone()
     })
 }
 
@@ -328,10 +358,17 @@ fn build_spmd_step_from(
     precision: Precision,
 ) -> Result<Traced, TrainError> {
     check_heads_split(model, mesh)?;
-    build_from_forward(model, DType::F32, precision, imported, |forward| {
+    build_from_forward(model, DType::F32, precision, imported, optim, |forward| {
+        let micro = match optim.micro_batches {
+            n if n > 1 => format!(
+                " (a micro-batch of {} rows of --micro-batches {n})",
+                model.batch / n as usize
+            ),
+            _ => String::new(),
+        };
         parallelize(forward, mesh, plan, optim)
             .map(|p| p.step)
-            .map_err(|e| format!("--mesh {mesh}: {e}"))
+            .map_err(|e| format!("--mesh {mesh}{micro}: {e}"))
     })
 }
 
@@ -443,6 +480,26 @@ pub fn init_param(ty: &TensorType, init: Init, seed: u64, index: usize) -> HostT
         }
         Init::Ones => HostTensor::full(ty.clone(), 1.0),
         Init::Zeros => HostTensor::zeros(ty.clone()),
+    }
+}
+
+/// A rank's block of a batch input as (rows, positions) of the whole batch `[batch, seq]`. A
+/// batch split into micro-batches is fed as `[rows, micro-batches, seq]` in the same order
+/// (`graphtrain_ir::micro_batches`): a block holding every micro-batch of its rows is the rows'
+/// whole-batch block.
+fn batch_block(
+    block: Vec<std::ops::Range<usize>>,
+    global: &[usize],
+) -> Result<Vec<std::ops::Range<usize>>, TrainError> {
+    match block.as_slice() {
+        [rows, micro, positions] if *micro == (0..global[1]) => {
+            let n = global[1];
+            Ok(vec![rows.start * n..rows.end * n, positions.clone()])
+        }
+        [_, _, _] => Err(err(
+            "a rank holds part of the micro-batches of its rows: a batch split over micro-batches is not built",
+        )),
+        _ => Ok(block),
     }
 }
 
@@ -583,9 +640,14 @@ impl Trainer {
                 &cfg.optim,
                 options.precision,
             )?,
-            None => build_from_forward(model, DType::F32, options.precision, imported, |f| {
-                build_train_step(f, "loss", &cfg.optim).map_err(|e| e.to_string())
-            })?,
+            None => build_from_forward(
+                model,
+                DType::F32,
+                options.precision,
+                imported,
+                &cfg.optim,
+                |f| build_train_step(f, "loss", &cfg.optim).map_err(|e| e.to_string()),
+            )?,
         };
         let mut compiled = compile(&step.graph, backend, options).map_err(err)?;
         let passes = std::mem::take(&mut compiled.passes);
@@ -824,10 +886,10 @@ has {ty}",
                 |(input, feed)| match (held, &graph.mesh, &input.placement, feed) {
                     (Some(rank), Some(mesh), Some(placement), Feed::Tokens | Feed::Targets) => {
                         let global = global_input_type(graph, input);
-                        placement
+                        let block = placement
                             .local_block(mesh, &global.shape, rank)
-                            .map(Some)
-                            .map_err(err)
+                            .map_err(err)?;
+                        Ok(Some(batch_block(block, &global.shape)?))
                     }
                     _ => Ok(None),
                 },

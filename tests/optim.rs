@@ -24,6 +24,7 @@ fn sgd_trainer(max_grad_norm: Option<f64>, backend: Backend) -> Trainer {
             optim: OptimConfig {
                 optimizer: Optimizer::Sgd { weight_decay: 0.0 },
                 max_grad_norm,
+                micro_batches: 1,
             },
         },
         &Pipeline::new(Vec::new()),

@@ -88,6 +88,7 @@ pub fn autocast(forward: &Graph, precision: Precision) -> Result<Graph, TypeErro
         }
         let meta = |what: &str| Meta {
             tags: node.meta.tags.clone(),
+            micro_batch: node.meta.micro_batch,
             ..Meta::new(format!("{}.{what}", node.meta.module), node.meta.phase)
         };
         let operands: &[&str] = match node.op {

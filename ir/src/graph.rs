@@ -93,6 +93,11 @@ pub struct Meta {
     /// Transformer layer index, when the node belongs to one.
     pub layer: Option<u32>,
     pub tags: Tags,
+    /// The micro-batch whose forward or backward the node belongs to, in a step whose batch is
+    /// split into micro-batches (`micro_batches.rs`); `None` in a step that is not split, and
+    /// on every optimizer node.
+    #[serde(default)]
+    pub micro_batch: Option<u32>,
 }
 
 impl Meta {
@@ -105,6 +110,17 @@ impl Meta {
             phase,
             layer,
             tags: Tags::default(),
+            micro_batch: None,
+        }
+    }
+
+    /// Where the node runs in the step: micro-batch by micro-batch, each one's forward, loss and
+    /// backward, then the optimizer once. Nodes appear in this order (the verifier checks it);
+    /// in a step that is not split every node is micro-batch 0, so this is the phase order.
+    pub fn stage(&self) -> (u32, Phase) {
+        match self.phase {
+            Phase::Optimizer => (u32::MAX, Phase::Optimizer),
+            phase => (self.micro_batch.unwrap_or(0), phase),
         }
     }
 }
@@ -477,6 +493,16 @@ impl Graph {
             }
         }
         needed
+    }
+
+    /// How many micro-batches the step's batch is split into (`micro_batches.rs`): 1 for a step
+    /// that is not split.
+    pub fn micro_batches(&self) -> u32 {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.meta.micro_batch)
+            .max()
+            .map_or(1, |last| last + 1)
     }
 
     /// Count of nodes per op name, sorted by name.

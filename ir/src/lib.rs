@@ -11,6 +11,7 @@ pub mod host_tensor;
 pub mod infer;
 pub mod interp;
 pub mod mesh;
+pub mod micro_batches;
 pub mod op;
 pub mod optim;
 pub mod rng;

@@ -6,11 +6,14 @@
 //!   schedules stay outside the graph), the parameters, then the optimizer state;
 //! - outputs: `loss`, `grad_norm` (before clipping), then every parameter, then every state
 //!   tensor, each donating the input it replaces, so the update happens in place;
-//! - optimizer nodes carry phase `opt` and the parameter's name as module path.
+//! - optimizer nodes carry phase `opt` and the parameter's name as module path;
+//! - with `micro_batches > 1`, the batch is split (`micro_batches.rs`): the data inputs are the
+//!   whole batch, the traced forward's batch is one micro-batch's, and `loss` is their mean.
 
 use crate::autodiff::{grad_with, AutodiffError, GradOptions};
 use crate::dtype::{DType, TensorType};
 use crate::graph::{Graph, InputKind, Meta, Phase, TypeError, ValueId};
+use crate::micro_batches;
 use crate::op::{BinaryOp, Op, UnaryOp};
 use crate::trace::{ParamSpec, Traced};
 use serde::{Deserialize, Serialize};
@@ -54,6 +57,15 @@ pub struct OptimConfig {
     pub optimizer: Optimizer,
     /// Clip the global gradient norm to this value (torch.nn.utils.clip_grad_norm_).
     pub max_grad_norm: Option<f64>,
+    /// Micro-batches the step's batch is split into, run one after another with their
+    /// gradients summed before the update (gradient accumulation, `micro_batches.rs`); 1: the
+    /// step is not split. The forward is traced at the micro-batch's size.
+    #[serde(default = "one")]
+    pub micro_batches: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl Default for OptimConfig {
@@ -61,6 +73,7 @@ impl Default for OptimConfig {
         OptimConfig {
             optimizer: Optimizer::adamw_default(),
             max_grad_norm: None,
+            micro_batches: 1,
         }
     }
 }
@@ -77,6 +90,8 @@ pub enum BuildError {
     MissingLoss(String),
     Autodiff(AutodiffError),
     Type(crate::graph::TypeError),
+    /// The step cannot be split into the micro-batches asked for.
+    MicroBatches(String),
 }
 
 impl fmt::Display for BuildError {
@@ -87,6 +102,7 @@ impl fmt::Display for BuildError {
             }
             BuildError::Autodiff(e) => write!(f, "autodiff: {e}"),
             BuildError::Type(e) => write!(f, "optimizer: {e}"),
+            BuildError::MicroBatches(message) => write!(f, "micro-batches: {message}"),
         }
     }
 }
@@ -167,19 +183,37 @@ pub fn build_train_step_with(
         .value;
     g.outputs.clear();
     let params: Vec<ValueId> = traced.params.iter().map(|p| p.value).collect();
-    let opts = GradOptions {
-        seed: ranks.map(|r| r.seed()),
-        seed_partial: ranks.and_then(|r| r.seed_partial()),
-        ..GradOptions::default()
+    let (mut g, mut loss, mut grads) = if cfg.micro_batches > 1 {
+        micro_batches::forward_and_backward(
+            g,
+            loss,
+            &params,
+            cfg.micro_batches,
+            ranks.map_or(1.0, |r| r.seed()),
+            ranks.and_then(|r| r.seed_partial()),
+        )?
+    } else {
+        let opts = GradOptions {
+            seed: ranks.map(|r| r.seed()),
+            seed_partial: ranks.and_then(|r| r.seed_partial()),
+            ..GradOptions::default()
+        };
+        let grads = grad_with(&mut g, loss, &params, &opts)?;
+        (g, loss, grads)
     };
-    let mut grads = grad_with(&mut g, loss, &params, &opts)?;
-    let mut loss = loss;
+    let split_end = g.nodes.len();
     if let Some(r) = ranks {
         let meta = Meta::new("optim.reduce_grads", Phase::Backward);
         for (i, gr) in grads.iter_mut().enumerate() {
             *gr = r.reduce_grad(&mut g, i, *gr, &meta)?;
         }
         loss = r.report_loss(&mut g, loss, &Meta::new("optim.loss", Phase::Backward))?;
+    }
+    // The summed gradients' reductions run once, after the last micro-batch's backward.
+    if cfg.micro_batches > 1 {
+        for node in &mut g.nodes[split_end..] {
+            node.meta.micro_batch = Some(cfg.micro_batches - 1);
+        }
     }
 
     let scalar_dtype = traced

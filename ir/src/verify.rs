@@ -7,7 +7,9 @@
 //! - input and output names are unique;
 //! - every node's operand count, output count and output types agree with the op's rules
 //!   (`infer::infer_types`);
-//! - phases never go backwards along the schedule (forward, loss, backward, optimizer);
+//! - stages never go backwards along the schedule: forward, loss, backward, and in a step split
+//!   into micro-batches each micro-batch's forward, loss and backward before the next one's,
+//!   then the optimizer once (`Meta::stage`);
 //! - donation: an output may only donate a `param` or `state` input of the same type, each input
 //!   is donated at most once, a donated input is not itself an output, and nothing reads a donated
 //!   input after the node that writes its replacement (the buffer is overwritten in place);
@@ -17,7 +19,7 @@
 //!   operands' placements (`spmd::propagate`), and declared output placements are the computed
 //!   ones.
 
-use crate::graph::{Graph, InputKind, ValueId};
+use crate::graph::{Graph, InputKind, Phase, ValueId};
 use crate::infer::infer_types;
 use crate::mesh::Placement;
 use crate::op::Op;
@@ -91,7 +93,7 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
         defined_at[input.value.index()] = Some(None);
     }
 
-    let mut last_phase = None;
+    let mut last_stage = None;
     for (i, node) in g.nodes.iter().enumerate() {
         let err = |message: String| VerifyError {
             node: Some(i),
@@ -134,16 +136,17 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
                 )));
             }
         }
-        if let Some(prev) = last_phase {
-            if node.meta.phase < prev {
+        let stage = node.meta.stage();
+        if let Some(prev) = last_stage {
+            if stage < prev {
                 return Err(err(format!(
-                    "phase `{}` comes after a `{}` node; phases must run forward, loss, backward, optimizer",
-                    node.meta.phase.short(),
-                    prev.short()
+                    "{} comes after {}; phases must run forward, loss, backward, optimizer (micro-batch by micro-batch, the optimizer last)",
+                    stage_name(stage),
+                    stage_name(prev)
                 )));
             }
         }
-        last_phase = Some(node.meta.phase);
+        last_stage = Some(stage);
     }
 
     verify_outputs(g, &defined_at)?;
@@ -386,4 +389,14 @@ fn verify_outputs(g: &Graph, defined_at: &[Option<Option<usize>>]) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// A stage as the verifier's messages name it: "a `bwd` node", or "a `bwd` node of micro-batch 1"
+/// where the step is split.
+fn stage_name((micro_batch, phase): (u32, Phase)) -> String {
+    match phase {
+        Phase::Optimizer => "an `opt` node".to_string(),
+        _ if micro_batch == 0 => format!("a `{}` node", phase.short()),
+        _ => format!("a `{}` node of micro-batch {micro_batch}", phase.short()),
+    }
 }

@@ -174,7 +174,7 @@ graph tiny{   // header comment
 
   %a: f32[2,3]=rms_norm(%x,%_w.0,eps=1e-5)
   %b: f32[3] = reduce_sum(%a, axes=[0], keepdim=false)  # loss layers.2.out layer=none
-  %c: f32[3] = add_scalar(%b, value=1)  #bwd layers.2.out layer=2 region=0 remat=offload
+  %c: f32[3] = add_scalar(%b, value=1)  #bwd layers.2.out layer=2 region=0 remat=offload micro=1
   output out = %c   // trailing comment
 }
 // the end
@@ -191,6 +191,8 @@ graph tiny{   // header comment
     assert_eq!(g.nodes[2].meta.layer, Some(2));
     assert_eq!(g.nodes[2].meta.tags.remat, Some(Remat::Offload));
     assert_eq!(g.nodes[2].meta.tags.region, Some(0));
+    assert_eq!(g.nodes[2].meta.micro_batch, Some(1));
+    assert_eq!(g.nodes[1].meta.micro_batch, None);
     assert_eq!(g.nodes[2].op, Op::AddScalar { value: 1.0 });
     assert_eq!(
         print(&g),
@@ -200,7 +202,7 @@ graph tiny {
   param %_w.0: f32[3]
   %2: f32[2,3] = rms_norm(%x, %_w.0, eps=1e-5)  # fwd
   %3: f32[3] = reduce_sum(%2, axes=[0], keepdim=false)  # loss layers.2.out layer=none
-  %4: f32[3] = add_scalar(%3, value=1.0)  # bwd layers.2.out remat=offload region=0
+  %4: f32[3] = add_scalar(%3, value=1.0)  # bwd layers.2.out micro=1 remat=offload region=0
   output out = %4
 }
 "
@@ -373,6 +375,9 @@ impl Gen {
         let mut meta = Meta::new(module, self.rng.pick(&Phase::ALL));
         if self.rng.chance(20) {
             meta.layer = self.rng.pick(&[None, Some(0), Some(7), Some(31)]);
+        }
+        if self.rng.chance(20) {
+            meta.micro_batch = self.rng.pick(&[Some(0), Some(3)]);
         }
         let tags = &mut meta.tags;
         if self.rng.chance(25) {

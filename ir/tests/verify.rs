@@ -65,7 +65,17 @@ fn each_broken_invariant_is_reported() {
         (
             "phase goes backwards",
             VALID.replace("dtype=f32)  # bwd", "dtype=f32)  # fwd"),
-            &["node 2", "phase `fwd` comes after a `loss` node"],
+            &["node 2", "a `fwd` node comes after a `loss` node"],
+        ),
+        (
+            "a micro-batch goes backwards",
+            VALID
+                .replace("# fwd layers.0.mlp", "# fwd layers.0.mlp micro=1")
+                .replace("keepdim=false)  # loss", "keepdim=false)  # loss micro=0"),
+            &[
+                "node 1",
+                "a `loss` node comes after a `fwd` node of micro-batch 1",
+            ],
         ),
         (
             "donating a data input",

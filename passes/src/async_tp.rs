@@ -533,7 +533,7 @@ rank along axis {axis}, which {} chunks do not divide",
             }
         }
         for (i, node) in g.nodes.iter().enumerate() {
-            e.r.phase = node.meta.phase;
+            e.r.enter(&node.meta);
             match roles[i] {
                 Role::GatherStart(s) => e.start_gather(g, node, s)?,
                 Role::GatherWait | Role::Skip => {}
@@ -558,7 +558,7 @@ rank along axis {axis}, which {} chunks do not divide",
                         match producers[matrix.index()] {
                             Some(p) if p > i => {
                                 let from = &g.nodes[p];
-                                let movable = from.meta.phase == node.meta.phase
+                                let movable = from.meta.stage() == node.meta.stage()
                                     && roles[p] == Role::Keep
                                     && !matches!(from.op, Op::CollectiveStart { .. } | Op::Wait)
                                     && from.inputs.iter().all(|&v| available(v));

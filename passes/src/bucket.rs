@@ -59,7 +59,8 @@ enum Kind {
 /// Collectives that may share a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Key {
-    phase: Phase,
+    /// The micro-batch and phase (`Meta::stage`): a bucket never spans two.
+    stage: (u32, Phase),
     /// `layers.N` for a transformer block's collectives, else the module's path.
     block: String,
     kind: Kind,
@@ -154,7 +155,7 @@ break that split)",
                 continue;
             }
             let key = Key {
-                phase: node.meta.phase,
+                stage: node.meta.stage(),
                 block,
                 kind,
                 mesh_dims: mesh_dims.clone(),
@@ -277,7 +278,7 @@ fn rewrite(g: &Graph, plans: &[Plan]) -> Result<Graph, PassError> {
         arrived: vec![None; plans.len()],
     };
     for (i, node) in g.nodes.iter().enumerate() {
-        e.r.phase = node.meta.phase;
+        e.r.enter(&node.meta);
         for &b in &starts_at[i] {
             // An operand that is another bucket's member result (HSDP: a reduce-scatter's
             // result then all-reduced) is cut out of that bucket first.

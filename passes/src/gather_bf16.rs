@@ -145,17 +145,17 @@ impl Pass for GatherBf16 {
             }
             return Ok((g.clone(), report));
         }
-        // A parameter's shard is cast where its block's (layer and phase) first such gather
+        // A parameter's shard is cast where its block's (layer and stage) first such gather
         // starts, with the block's other parameters: FSDP unshards a module's parameters
         // together, and `bucket` merges a block's gathers only where every operand is ready
         // at the first. Other operands (sequence parallelism's activations) are cast in place.
         let producers = g.producers();
         let is_input = |v: graphtrain_ir::ValueId| producers[v.index()].is_none();
-        let block = |n: &graphtrain_ir::graph::Node| (n.meta.layer, n.meta.phase);
+        let block = |n: &graphtrain_ir::graph::Node| (n.meta.layer, n.meta.stage());
         let mut cast_of: Vec<Option<graphtrain_ir::ValueId>> = vec![None; g.nodes.len()];
         let mut rb = Rebuild::of(g, INFO.name);
         for (i, node) in g.nodes.iter().enumerate() {
-            rb.phase = node.meta.phase;
+            rb.enter(&node.meta);
             match role[i] {
                 Role::Kept => rb.keep(node),
                 Role::Start => {

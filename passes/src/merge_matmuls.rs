@@ -84,14 +84,14 @@ fn read_in_place(g: &Graph, users: &[Vec<usize>], v: ValueId) -> bool {
         })
 }
 
-/// The latest phase that reads `v`, directly or through view-like ops.
-fn last_reading_phase(g: &Graph, users: &[Vec<usize>], v: ValueId) -> Phase {
+/// The latest stage (micro-batch and phase) that reads `v`, directly or through view-like ops.
+fn last_reading_stage(g: &Graph, users: &[Vec<usize>], v: ValueId) -> (u32, Phase) {
     let (readers, _) = view_readers(g, users, v);
     readers
         .iter()
-        .map(|&u| g.nodes[u].meta.phase)
+        .map(|&u| g.nodes[u].meta.stage())
         .max()
-        .unwrap_or(Phase::Forward)
+        .unwrap_or((0, Phase::Forward))
 }
 
 pub const INFO: PassInfo = PassInfo {
@@ -336,8 +336,8 @@ impl Pass for MergeMatmuls {
             ),
             None => None,
         };
-        // Siblings: same left operand, phase, right operands' K and dtype, and result dtype.
-        type Key = (ValueId, Phase, usize, DType, DType);
+        // Siblings: same left operand, stage, right operands' K and dtype, and result dtype.
+        type Key = (ValueId, (u32, Phase), usize, DType, DType);
         let mut siblings: Vec<(Key, Vec<usize>)> = Vec::new();
         for (i, n) in g.nodes.iter().enumerate() {
             if n.op != Op::Matmul || g.ty(n.inputs[1]).rank() != 2 {
@@ -346,7 +346,7 @@ impl Pass for MergeMatmuls {
             let b = g.ty(n.inputs[1]);
             let key = (
                 n.inputs[0],
-                n.meta.phase,
+                n.meta.stage(),
                 b.shape[0],
                 b.dtype,
                 g.ty(n.outputs[0]).dtype,
@@ -385,10 +385,10 @@ the lowering would copy out of a merged one (`merge_matmuls=any` merges it anywa
             // One buffer holds the merged result until its last slice's last reader: results
             // saved for a later phase (attention's `v`) are merged only with each other, so that
             // they do not keep their siblings (`q`, `k`) alive.
-            let phase = g.nodes[members[0]].meta.phase;
+            let stage = g.nodes[members[0]].meta.stage();
             let (saved, rest): (Vec<usize>, Vec<usize>) = members
                 .iter()
-                .partition(|&&m| last_reading_phase(g, &users, g.nodes[m].outputs[0]) > phase);
+                .partition(|&&m| last_reading_stage(g, &users, g.nodes[m].outputs[0]) > stage);
             for part in [rest, saved] {
                 if part.len() < 2 {
                     for &m in &part {
@@ -462,7 +462,7 @@ way round): merged, the longer-lived would keep the others alive",
         }
         let mut rb = Rebuild::of(g, INFO.name);
         for (i, node) in g.nodes.iter().enumerate() {
-            rb.phase = node.meta.phase;
+            rb.enter(&node.meta);
             match role[i] {
                 Role::Kept => rb.keep(node),
                 Role::Replaced => {}

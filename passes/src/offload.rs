@@ -214,9 +214,11 @@ impl Pass for Offload {
             let src = &g.nodes[producers[v.index()].unwrap_or(off_after)];
             let ty = g.ty(v).clone();
             moved_bytes += ty.size_bytes();
-            let meta = |phase: Phase| Meta {
+            // Each copy runs where it is placed: the phase and micro-batch of its neighbour.
+            let meta = |at: usize| Meta {
                 module: src.meta.module.clone(),
-                phase,
+                phase: g.nodes[at].meta.phase,
+                micro_batch: g.nodes[at].meta.micro_batch,
                 layer: src.meta.layer,
                 tags: Tags {
                     remat: Some(Remat::Offload),
@@ -231,13 +233,13 @@ impl Pass for Offload {
                 op: Op::Offload,
                 inputs: vec![v],
                 outputs: vec![host],
-                meta: meta(g.nodes[off_after].meta.phase),
+                meta: meta(off_after),
             });
             before[reload_at].push(Node {
                 op: Op::Reload,
                 inputs: vec![host],
                 outputs: vec![dev],
-                meta: meta(g.nodes[reload_at].meta.phase),
+                meta: meta(reload_at),
             });
             reloaded[v.index()] = Some(dev);
         }

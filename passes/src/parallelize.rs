@@ -935,8 +935,10 @@ fn place_signature(
     };
     let types: Vec<usize> = g.inputs.iter().map(|i| g.ty(i.value).rank()).collect();
     for (input, rank) in g.inputs.iter_mut().zip(types) {
-        input.placement = Some(match input.kind {
-            InputKind::Data => data.of(&input.name, rank, mesh),
+        input.placement = Some(match (input.kind, input.placement.take()) {
+            // The batch as `localize` placed it (and a split into micro-batches moved it).
+            (InputKind::Data, Some(placed)) => placed,
+            (InputKind::Data, None) => data.of(&input.name, rank, mesh),
             _ => of(&input.name).unwrap_or_else(|| Placements::replicated(mesh)),
         });
     }

@@ -10,9 +10,11 @@ pub(crate) struct Rebuild {
     pub(crate) out: Graph,
     /// For each value of the input graph, the value holding it in `out`.
     pub(crate) map: Vec<ValueId>,
-    /// The phase of the input-graph node being rewritten, which new nodes take: a wait emitted
-    /// for a backward reader of a forward collective belongs to backward.
-    pub(crate) phase: Phase,
+    /// The phase and micro-batch of the input-graph node being rewritten, which new nodes take
+    /// (`enter`): a wait emitted for a backward reader of a forward collective belongs to
+    /// backward, and to that reader's micro-batch.
+    phase: Phase,
+    micro_batch: Option<u32>,
     pass: &'static str,
 }
 
@@ -26,11 +28,18 @@ impl Rebuild {
             },
             map: (0..g.values.len() as u32).map(ValueId).collect(),
             phase: Phase::Forward,
+            micro_batch: None,
             pass,
         }
     }
 
-    /// Appends a new node with `meta`, in the current phase.
+    /// New nodes from here on run where `at` does: its phase and micro-batch.
+    pub(crate) fn enter(&mut self, at: &Meta) {
+        self.phase = at.phase;
+        self.micro_batch = at.micro_batch;
+    }
+
+    /// Appends a new node with `meta`, in the current phase and micro-batch.
     pub(crate) fn add(
         &mut self,
         op: Op,
@@ -39,6 +48,7 @@ impl Rebuild {
     ) -> Result<ValueId, PassError> {
         let meta = Meta {
             phase: self.phase,
+            micro_batch: self.micro_batch,
             ..meta.clone()
         };
         self.out.push1(op, inputs, meta).map_err(|e| PassError {

@@ -94,6 +94,7 @@ fn adamw() -> Result<(f64, f64, f64, f64), String> {
                     weight_decay,
                 },
             max_grad_norm: None,
+            micro_batches: 1,
         } => Ok((beta1, beta2, eps, weight_decay)),
         other => Err(format!(
             "the burn peer runs AdamW without clipping, not {other:?}"

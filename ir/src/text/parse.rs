@@ -417,6 +417,7 @@ impl<'a> Line<'a> {
             match key {
                 "layer" if value == "none" => meta.layer = None,
                 "layer" => meta.layer = Some(number("a layer index or `none`")?),
+                "micro" => meta.micro_batch = Some(number("a micro-batch index")?),
                 "remat" => {
                     meta.tags.remat = Some(Remat::from_name(value).ok_or_else(|| {
                         self.error(
@@ -430,14 +431,12 @@ impl<'a> Line<'a> {
                 "bucket" => meta.tags.bucket = Some(number("a bucket index")?),
                 "stream" => meta.tags.stream = Some(number("a stream index")?),
                 "region" => meta.tags.region = Some(number("a region index")?),
-                _ => {
-                    return Err(self.error(
-                        col,
-                        format!(
-                            "unknown tag `{key}` (known: layer, remat, bucket, stream, region)"
-                        ),
-                    ))
-                }
+                _ => return Err(self.error(
+                    col,
+                    format!(
+                        "unknown tag `{key}` (known: layer, micro, remat, bucket, stream, region)"
+                    ),
+                )),
             }
         }
         Ok(meta)

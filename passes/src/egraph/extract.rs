@@ -304,10 +304,11 @@ pub struct Origin {
 /// Rebuilds a graph from the picks: same inputs and outputs as `g` (names, kinds, order,
 /// donations), `roots[k]` the class of output `k`, `origins` the input-node origin of classes.
 ///
-/// Schedule: every node is keyed by (phase, position of its origin); a class new to the e-graph
-/// has no origin and takes its first consumer's, so it lands just before it. Phases are lifted to
-/// the latest phase of the operands, and nodes are emitted by a topological sort that always takes
-/// the smallest ready key; with lifted phases that order is topological and phase-monotone.
+/// Schedule: every node is keyed by (stage, position of its origin), the stage being the
+/// micro-batch and phase (`Meta::stage`); a class new to the e-graph has no origin and takes its
+/// first consumer's, so it lands just before it. Stages are lifted to the latest stage of the
+/// operands, and nodes are emitted by a topological sort that always takes the smallest ready
+/// key; with lifted stages that order is topological and stage-monotone.
 pub fn rebuild(
     g: &Graph,
     eg: &EG,
@@ -362,21 +363,21 @@ pub fn rebuild(
     };
     let mut deps: Vec<Vec<usize>> = vec![Vec::new(); items.len()];
     let mut users: Vec<Vec<usize>> = vec![Vec::new(); items.len()];
-    let mut phase: Vec<Phase> = Vec::with_capacity(items.len());
+    let mut stage: Vec<(u32, Phase)> = Vec::with_capacity(items.len());
     for (i, &c) in items.iter().enumerate() {
-        let mut p = origin_of[&c].meta.phase;
+        let mut s = origin_of[&c].meta.stage();
         for child in choice.nodes[&c].children() {
             if let Some(d) = item_of_class(*child) {
                 deps[i].push(d);
                 users[d].push(i);
-                // Post-order: operands were numbered (and phased) first.
-                p = p.max(phase[d]);
+                // Post-order: operands were numbered (and staged) first.
+                s = s.max(stage[d]);
             }
         }
-        phase.push(p);
+        stage.push(s);
     }
     let mut missing: Vec<usize> = deps.iter().map(Vec::len).collect();
-    let key = |i: usize| std::cmp::Reverse((phase[i], origin_of[&items[i]].position, i));
+    let key = |i: usize| std::cmp::Reverse((stage[i], origin_of[&items[i]].position, i));
     let mut ready: BinaryHeap<_> = (0..items.len())
         .filter(|&i| missing[i] == 0)
         .map(key)
@@ -430,7 +431,11 @@ pub fn rebuild(
             .map(|k| value_of(*k, &outputs_of))
             .collect::<Result<Vec<_>, _>>()?;
         let mut meta = origin_of[&c].meta.clone();
-        meta.phase = phase[i];
+        let (micro_batch, phase) = stage[i];
+        meta.phase = phase;
+        if meta.stage() != stage[i] {
+            meta.micro_batch = (phase != Phase::Optimizer).then_some(micro_batch);
+        }
         outputs_of[i] = out.push(op, operands, meta).map_err(|e| e.to_string())?;
     }
     for (o, &root) in g.outputs.iter().zip(roots) {
