@@ -2304,8 +2304,18 @@ fn trace(a: TraceArgs, registry: &Registry) -> Result<(), String> {
         fwd / tokens / 1e9,
         cfg.flops_per_token() / 1e9
     );
+    // Each micro-batch's activations are saved for its own backward: they add up over the
+    // step, but one micro-batch's are live at a time.
+    let micro_batches = g.micro_batches() as usize;
+    let split = match micro_batches {
+        1 => String::new(),
+        n => format!(
+            ", in {n} micro-batches: about {} each, one live at a time",
+            gib(s.saved_activation_bytes / n)
+        ),
+    };
     say!(
-        "memory: params {}, grads {}, optimizer state {}, saved activations {} (batch {} x seq {})",
+        "memory: params {}, grads {}, optimizer state {}, saved activations {} (batch {} x seq {}{split})",
         gib(s.param_bytes),
         gib(s.grad_bytes),
         gib(s.state_bytes),

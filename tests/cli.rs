@@ -199,6 +199,49 @@ fn run_schedules_the_lr_and_refuses_an_impossible_schedule() {
 /// A step that cannot fit says so with the numbers before allocating: on the host (the 8b
 /// model's f64 parameter and state copies exceed any machine this runs on, and a limit makes
 /// that certain) and on the cpu backend (its arena, from the buffer plan).
+/// `--micro-batches` splits `--batch` into micro-batches: the run says so and trains as the
+/// whole batch does (the same losses to the step line's four places); a batch that does not
+/// split, and zero micro-batches or rows, are refused naming the flag.
+#[test]
+fn run_splits_the_batch_into_micro_batches_and_refuses_an_uneven_split() {
+    let losses = |extra: &[&str]| -> (String, Vec<String>) {
+        let mut args = vec!["run", "--config", "tiny", "--steps", "3", "--batch", "4"];
+        args.extend_from_slice(extra);
+        let o = graphtrain(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        let out = stdout(&o);
+        let losses = out
+            .lines()
+            .filter(|l| l.starts_with("step:"))
+            .map(|l| l.split_whitespace().nth(3).unwrap().to_string())
+            .collect();
+        (out, losses)
+    };
+    let (_, whole) = losses(&[]);
+    let (out, split) = losses(&["--micro-batches", "2"]);
+    assert_eq!(split, whole, "{out}");
+    assert_eq!(whole.len(), 3);
+    assert!(
+        out.contains("batch of 4 rows in 2 micro-batches of 2"),
+        "{out}"
+    );
+    for (args, needle) in [
+        (
+            &["--batch", "4", "--micro-batches", "3"][..],
+            "--micro-batches 3: the batch of 4 rows does not split into 3 equal micro-batches",
+        ),
+        (
+            &["--micro-batches", "0"][..],
+            "--micro-batches must be at least 1",
+        ),
+        (&["--batch", "0"][..], "--batch must be at least 1"),
+    ] {
+        let mut all = vec!["run", "--config", "tiny", "--steps", "1"];
+        all.extend_from_slice(args);
+        assert_clean_error(&graphtrain(&all), &[needle]);
+    }
+}
+
 #[test]
 fn a_step_that_does_not_fit_says_so_with_the_planner_numbers() {
     let limited = |args: &[&str]| {

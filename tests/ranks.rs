@@ -188,6 +188,77 @@ fn assert_bitwise(
     );
 }
 
+/// `tiny`'s batch split into `micro_batches`, trained as `train` trains it, on one device or as
+/// `run` says.
+fn train_split(
+    run: Option<&MeshRun>,
+    micro_batches: u32,
+) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
+    let none = Pipeline::new(Vec::new());
+    let mut t = Trainer::build_on(
+        &tiny(),
+        TrainConfig {
+            data: DataMode::Fixed.into(),
+            seed: 0,
+            lr: LrSchedule::constant(1e-3),
+            optim: OptimConfig {
+                micro_batches,
+                ..OptimConfig::default()
+            },
+        },
+        Backend::Cpu,
+        &CompileOptions::new(&none, Mode::Fused),
+        run,
+    )
+    .unwrap_or_else(|e| panic!("{micro_batches} micro-batches: {e}"));
+    assert_eq!(t.graph.micro_batches(), micro_batches);
+    let losses = (0..STEPS)
+        .flat_map(|_| {
+            let m = t.step().unwrap();
+            [m.loss, m.grad_norm]
+        })
+        .collect();
+    let params = match run.map(|r| r.launch) {
+        Some(Launch::FakeRankZero) => BTreeMap::new(),
+        _ => t.parameters().unwrap().into_iter().collect(),
+    };
+    (losses, params)
+}
+
+/// A batch split into micro-batches (`--micro-batches`) trains as the whole batch does, on one
+/// device and on meshes of threads (FSDP, HSDP, tensor parallelism), within the tolerances the
+/// meshes keep against one device; a rank run alone reads its rows of every micro-batch.
+#[test]
+fn micro_batches_train_as_the_whole_batch() {
+    let whole = train(None);
+    for (mesh, n) in [
+        (None, 2),
+        (None, 4),
+        (Some("dp_shard=2"), 2),
+        (Some("dp_replicate=2"), 2),
+        (Some("dp_shard=2,tp=2"), 2),
+    ] {
+        let got = train_split(mesh.map(threads_on).as_ref(), n);
+        let tolerance = if mesh.is_some_and(|m| m.contains("tp")) {
+            3e-5
+        } else {
+            1e-5
+        };
+        assert_close(
+            &format!("{mesh:?} in {n} micro-batches"),
+            &got,
+            &whole,
+            tolerance,
+        );
+    }
+    let fake = MeshRun {
+        launch: Launch::FakeRankZero,
+        ..threads_on("dp_shard=2,tp=2")
+    };
+    let (losses, _) = train_split(Some(&fake), 2);
+    assert!(losses.iter().all(|x| x.is_finite()), "{losses:?}");
+}
+
 #[test]
 fn meshes_of_threads_match_one_device_and_repeat_bitwise() {
     let single = train(None);

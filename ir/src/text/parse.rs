@@ -431,12 +431,14 @@ impl<'a> Line<'a> {
                 "bucket" => meta.tags.bucket = Some(number("a bucket index")?),
                 "stream" => meta.tags.stream = Some(number("a stream index")?),
                 "region" => meta.tags.region = Some(number("a region index")?),
-                _ => return Err(self.error(
-                    col,
-                    format!(
+                _ => {
+                    return Err(self.error(
+                        col,
+                        format!(
                         "unknown tag `{key}` (known: layer, micro, remat, bucket, stream, region)"
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(meta)
