@@ -2553,6 +2553,13 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
                 ckpt.header.fingerprint
             );
         }
+        let (then, now) = (ckpt.header.run.optim.micro_batches, optim.micro_batches);
+        if then != now {
+            say!(
+                "note: {} was trained in {then} micro-batch(es) a step; this run goes on in {now}",
+                path.display()
+            );
+        }
         // The schedule is not part of the run's identity (a run may be resumed with another
         // one), but a resume that forgets a flag would change the lr silently: say so.
         let schedule = lr.to_string();

@@ -1228,7 +1228,16 @@ has {ty}",
     /// name.
     pub fn restore(&mut self, ckpt: Checkpoint, run: &RunIdentity) -> Result<(), TrainError> {
         self.need_whole_tensors("resume")?;
-        if ckpt.header.run != *run {
+        // How a step's batch is split into micro-batches changes what is live, not what the
+        // step computes (up to the order of its sums): a run may go on in another split.
+        let saved = RunIdentity {
+            optim: OptimConfig {
+                micro_batches: run.optim.micro_batches,
+                ..ckpt.header.run.optim
+            },
+            ..ckpt.header.run.clone()
+        };
+        if saved != *run {
             return Err(err(describe_mismatch(&ckpt.header.run, run)));
         }
         if ckpt.header.data_batches_consumed != ckpt.header.steps_done {

@@ -225,6 +225,33 @@ fn run_splits_the_batch_into_micro_batches_and_refuses_an_uneven_split() {
         out.contains("batch of 4 rows in 2 micro-batches of 2"),
         "{out}"
     );
+    // A run checkpointed in 2 micro-batches goes on unsplit, saying so, with the losses the
+    // whole run had.
+    let ckpt = scratch_dir("micro-batches").join("split.ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let base = ["run", "--config", "tiny", "--batch", "4"];
+    let first = [
+        &base[..],
+        &["--steps", "2", "--micro-batches", "2", "--checkpoint", ckpt],
+    ];
+    let o = graphtrain(&first.concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = graphtrain(&[&base[..], &["--steps", "3", "--resume", ckpt]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("was trained in 2 micro-batch(es) a step; this run goes on in 1"),
+        "{out}"
+    );
+    let step3 = out
+        .lines()
+        .find(|l| l.starts_with("step:  3"))
+        .expect("step 3");
+    assert_eq!(
+        step3.split_whitespace().nth(3),
+        Some(whole[2].as_str()),
+        "{out}"
+    );
     for (args, needle) in [
         (
             &["--batch", "4", "--micro-batches", "3"][..],

@@ -24,9 +24,10 @@
 //!   name; they come first.
 //! - A node line lists its outputs with their types, the op name, the operands and then the
 //!   attributes in [`Op::attrs`](crate::op::Op::attrs) order. After `#` comes the metadata: the phase (`fwd`, `loss`,
-//!   `bwd`, `opt`), the module path if any, then the tags `layer=N`, `micro=N` (the micro-batch),
-//!   `remat=save|recompute|offload`, `bucket=N`, `stream=N`, `region=N`. `layer=` is only written when the layer differs from the
-//!   one the module path implies ([`layer_from_module`]); `layer=none` says there is none.
+//!   `bwd`, `opt`), the module path if any, then the tags `layer=N`, `micro=N` (the
+//!   micro-batch), `remat=save|recompute|offload`, `bucket=N`, `stream=N`, `region=N`. `layer=`
+//!   is only written when the layer differs from the one the module path implies
+//!   ([`layer_from_module`]); `layer=none` says there is none.
 //! - `output NAME = %v` names a result; `donates %input` marks an in-place update.
 //! - `//` starts a comment; blank lines are ignored.
 //!
