@@ -30,6 +30,9 @@
 //!   count too when rows are reduced, so the elements are computed in the eager map's vectors
 //!   and combined in `Reduce`'s order).
 //!
+//! None of these inline a value into a reader of another micro-batch: in a step split into
+//! micro-batches each value is computed in its own, so what it reads dies there.
+//!
 //! Guarantees: the same per-element arithmetic in the same order as eager, so the same bits on
 //! one backend. This relies on a backend never contracting a product and its sum into an FMA
 //! inside one kernel (the cpu kernels hide every product from cubecl's optimizer for that;
@@ -289,14 +292,23 @@ pub(crate) fn fused_steps(
                 .filter(|&&v| operand(&absorbed, &alias, v, out_len).access == Access::Full)
                 .count()
                 <= 1;
-        let single_elementwise_consumer = !is_output[out.index()]
+        // A value is computed in its own micro-batch (`graphtrain_ir::micro_batches`): inlined
+        // into a reader of a later one, it would be computed there and keep its operands live
+        // until then (the running sum of a split step's gradients would hold every micro-batch's
+        // gradient to the last).
+        let own_micro_batch = cons
+            .iter()
+            .all(|&c| g.nodes[c].meta.micro_batch == n.meta.micro_batch);
+        let single_elementwise_consumer = own_micro_batch
+            && !is_output[out.index()]
             && ((cons.len() == 1 && same_size_elementwise(cons[0]))
                 || readers_converge
                 || recomputed_by_readers);
         // A value whose one reader sums or maxes its trailing or its leading dims is computed
         // inside that reduction (`Step::MapReduce`): RMSNorm's squares, its gradient's
         // products, the products its weight's gradient sums over tokens.
-        let feeds_reduce = !is_output[out.index()]
+        let feeds_reduce = own_micro_batch
+            && !is_output[out.index()]
             && matches!(cons.as_slice(), [c] if fusable_reduce(g, *c).is_some());
 
         if cast_folds[k] {

@@ -6,8 +6,12 @@
 //! the duplicate would compute. The earlier node keeps its own metadata.
 //! Declines: a backward node tagged `remat=recompute` is a deliberate copy made by activation
 //! checkpointing to shorten a forward value's lifetime; merging it back into the forward original
-//! would undo that, so such copies only merge with each other. Otherwise CSE can lengthen a
-//! value's lifetime (a forward value reused in backward), which memory passes account for.
+//! would undo that, so such copies only merge with each other. Likewise nodes of different
+//! micro-batches (`micro_batches.rs`) are not merged: the survivor would stay live from one
+//! micro-batch to the next, the memory a split step exists to save (a weight's transposes and
+//! casts are computed again in each micro-batch instead; on `peer` split in four, merging them
+//! held 15 MiB more). Otherwise CSE can lengthen a value's lifetime (a forward value reused in
+//! backward), which memory passes account for.
 
 use crate::pass::{Pass, PassError, PassReport, Tier};
 use crate::registry::{PassInfo, Registry};
@@ -22,8 +26,8 @@ pub const INFO: PassInfo = PassInfo {
     contract:
         "A node with the same op, attributes and operands as an earlier node is removed and its \
 uses read the earlier outputs. Tier 1: ops are pure and deterministic, so results are bitwise \
-unchanged; the surviving node keeps its metadata. Never declines; may lengthen the lifetime of a \
-reused value.",
+unchanged; the surviving node keeps its metadata. Never merges nodes of different micro-batches; \
+may lengthen the lifetime of a reused value.",
     option_help: None,
 };
 
@@ -44,13 +48,19 @@ impl Pass for Cse {
 
     fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
         let mut subst = Substitution::new(g);
-        let mut seen: HashMap<(String, Vec<ValueId>, bool), usize> = HashMap::new();
+        type Key = (String, Vec<ValueId>, bool, Option<u32>);
+        let mut seen: HashMap<Key, usize> = HashMap::new();
         let mut keep = vec![true; g.nodes.len()];
         for (i, n) in g.nodes.iter().enumerate() {
             let operands: Vec<ValueId> = n.inputs.iter().map(|v| subst.get(*v)).collect();
             // `Debug` of an op spells every attribute, floats exactly.
             let recompute_copy = is_recompute_copy(n);
-            let key = (format!("{:?}", n.op), operands, recompute_copy);
+            let key = (
+                format!("{:?}", n.op),
+                operands,
+                recompute_copy,
+                n.meta.micro_batch,
+            );
             match seen.get(&key) {
                 Some(&first) => {
                     keep[i] = false;
