@@ -84,15 +84,18 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
     // memory and decline tiny's sites).
     // Mixed precision: FSDP gathers bf16 weights and scatters bf16 gradients, TP gathers bf16
     // activations; MPI moves those in 2 bytes an element, and still the threads' bits.
+    // Micro-batches: each rank reads its rows of every micro-batch from the batch.
     let overlap = "ac,bucket,prefetch=nodes:96,async_tp=gate:off";
-    for (mesh, np, passes, precision) in [
-        ("dp_shard=2", 2, "default", "f32"),
-        ("tp=2", 2, "default", "f32"),
-        ("dp_shard=2,tp=2", 4, "default", "f32"),
-        ("dp_shard=2,tp=2", 4, overlap, "f32"),
-        ("dp_shard=2,tp=2", 4, "default", "bf16-mixed"),
+    let split: &[&str] = &["--batch", "4", "--micro-batches", "2"];
+    for (mesh, np, passes, precision, extra) in [
+        ("dp_shard=2", 2, "default", "f32", &[][..]),
+        ("tp=2", 2, "default", "f32", &[]),
+        ("dp_shard=2,tp=2", 4, "default", "f32", &[]),
+        ("dp_shard=2,tp=2", 4, overlap, "f32", &[]),
+        ("dp_shard=2,tp=2", 4, "default", "bf16-mixed", &[]),
+        ("dp_shard=2,tp=2", 4, "default", "f32", split),
     ] {
-        let name = format!("{mesh}-{np}-{}-{precision}", passes.len());
+        let name = format!("{mesh}-{np}-{}-{precision}-{}", passes.len(), extra.len());
         let threads_ckpt = dir.join(format!("{name}-threads.safetensors"));
         let mpi_ckpt = dir.join(format!("{name}-mpi.safetensors"));
         let threads = output({
@@ -105,6 +108,7 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
                 "--precision",
                 precision,
             ]);
+            c.args(extra);
             c
         });
         assert!(threads.status.success(), "{}", text(&threads.stderr));
@@ -118,6 +122,7 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
                 "--precision",
                 precision,
             ]);
+            c.args(extra);
             c
         });
         assert!(
@@ -132,7 +137,10 @@ fn mpi_ranks_train_bitwise_as_the_threads_engine() {
         );
         assert_eq!(a.len(), 5, "{mesh}: {}", text(&threads.stdout));
         // Rank 0 alone prints: five lines, not five per rank.
-        assert_eq!(a, b, "{mesh} {passes} {precision}: the step lines differ");
+        assert_eq!(
+            a, b,
+            "{mesh} {passes} {precision} {extra:?}: the step lines differ"
+        );
         // The MPI run's checkpoint is sharded (a directory of rank files and a manifest);
         // assembled, it is the threads run's, bit for bit.
         assert!(mpi_ckpt.join("manifest.json").is_file(), "{mesh} {passes}");
