@@ -226,8 +226,9 @@ fn train_split(
 }
 
 /// A batch split into micro-batches (`--micro-batches`) trains as the whole batch does, on one
-/// device and on meshes of threads (FSDP, HSDP, tensor parallelism), within the tolerances the
-/// meshes keep against one device; a rank run alone reads its rows of every micro-batch.
+/// device and on meshes of threads (FSDP, DDP, FSDP with tensor parallelism), within the
+/// tolerances the meshes keep against one device; a rank run alone reads its rows of every
+/// micro-batch.
 #[test]
 fn micro_batches_train_as_the_whole_batch() {
     let whole = train(None);
