@@ -243,9 +243,9 @@ fn peer_arena(batch: usize, micro_batches: u32) -> usize {
 }
 
 /// A batch split into micro-batches holds one micro-batch's arena and the running sum of the
-/// gradients, within 4 MiB (113.7 MiB against 94.7 + 17.0 today): nothing of a micro-batch is computed in a later one (fusion once summed
-/// every micro-batch's gradients in one kernel at the end, holding them all; `cse` once shared
-/// a weight's transposes across micro-batches).
+/// gradients, within 4 MiB (112.1 MiB against 94.7 + 17.0 today): nothing of a micro-batch is
+/// computed in a later one (fusion once summed every micro-batch's gradients in one kernel at
+/// the end, holding them all; `cse` once shared a weight's transposes across micro-batches).
 #[test]
 fn a_split_step_holds_one_micro_batchs_arena_and_the_gradient_sum() {
     let params: usize = Llama3Config::builtin("peer").unwrap().num_params() * 4;

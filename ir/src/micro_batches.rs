@@ -31,7 +31,7 @@
 //! unsplit step), a data input without a batch axis, and a forward already split.
 
 use crate::autodiff::{grad_with, GradOptions};
-use crate::graph::{Graph, InputKind, Meta, Node, Phase, ValueId};
+use crate::graph::{Graph, InputKind, Meta, Phase, ValueId};
 use crate::mesh::Placement;
 use crate::op::{BinaryOp, Op};
 use crate::optim::BuildError;
@@ -131,22 +131,18 @@ pub fn forward_and_backward(
             }
         }
         let loss_k = map[loss.index()];
-        let backward = g.nodes.len();
         let grads_k = grad_with(&mut g, loss_k, params, &opts)?;
         grads = if grads.is_empty() {
             grads_k
         } else {
-            let sums = g.nodes.len();
             let meta = Meta::new("micro_batches.grad_sum", Phase::Backward);
-            let summed = grads
+            grads
                 .iter()
                 .zip(grads_k)
                 .map(|(&sum, grad)| {
                     g.push1(Op::Binary(BinaryOp::Add), vec![sum, grad], meta.clone())
                 })
-                .collect::<Result<_, _>>()?;
-            add_when_ready(&mut g, sums, backward);
-            summed
+                .collect::<Result<_, _>>()?
         };
         losses.push(loss_k);
         if k == n - 1 {
@@ -170,30 +166,4 @@ pub fn forward_and_backward(
     }
     let mean = *losses.last().expect("the mean of the losses");
     Ok((g, mean, grads))
-}
-
-/// Moves each node from `sums` on (a micro-batch's gradient sums, appended after its backward)
-/// to right after the node that completes its operands, and no earlier than `backward` (the
-/// micro-batch's first backward node): each gradient is added to the running sum as soon as
-/// it is complete, and its buffer is free for the rest of the backward, where all of them
-/// would otherwise be live together at its end.
-fn add_when_ready(g: &mut Graph, sums: usize, backward: usize) {
-    let moved: Vec<Node> = g.nodes.drain(sums..).collect();
-    let producers = g.producers();
-    let mut after: Vec<Vec<Node>> = vec![Vec::new(); g.nodes.len()];
-    for node in moved {
-        let ready = node
-            .inputs
-            .iter()
-            .filter_map(|v| producers[v.index()])
-            .max()
-            .unwrap_or(0)
-            .max(backward);
-        after[ready].push(node);
-    }
-    let kept = std::mem::take(&mut g.nodes);
-    for (node, sums) in kept.into_iter().zip(after) {
-        g.nodes.push(node);
-        g.nodes.extend(sums);
-    }
 }
