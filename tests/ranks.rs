@@ -73,13 +73,24 @@ fn build_in(
     pipeline: &Pipeline,
     precision: Precision,
 ) -> Trainer {
+    build_with(backend, run, pipeline, precision, OptimConfig::default())
+}
+
+/// `build_in` with `optim` in place of the default optimizer.
+fn build_with(
+    backend: Backend,
+    run: Option<&MeshRun>,
+    pipeline: &Pipeline,
+    precision: Precision,
+    optim: OptimConfig,
+) -> Trainer {
     Trainer::build_on(
         &tiny(),
         TrainConfig {
             data: DataMode::Fixed.into(),
             seed: 0,
             lr: LrSchedule::constant(1e-3),
-            optim: OptimConfig::default(),
+            optim,
         },
         backend,
         &CompileOptions {
@@ -117,13 +128,18 @@ fn train_in(
     precision: Precision,
 ) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
     let mut t = build_in(backend, mesh.map(threads_on).as_ref(), pipeline, precision);
-    let losses = (0..STEPS)
+    let losses = losses_of(&mut t);
+    (losses, t.parameters().unwrap().into_iter().collect())
+}
+
+/// Losses and gradient norms of `STEPS` steps of `t`, interleaved.
+fn losses_of(t: &mut Trainer) -> Vec<f64> {
+    (0..STEPS)
         .flat_map(|_| {
-            let m = t.step().unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
+            let m = t.step().unwrap_or_else(|e| panic!("{e}"));
             [m.loss, m.grad_norm]
         })
-        .collect();
-    (losses, t.parameters().unwrap().into_iter().collect())
+        .collect()
 }
 
 fn rel_norm(a: &HostTensor, b: &HostTensor) -> f64 {
@@ -194,30 +210,14 @@ fn train_split(
     run: Option<&MeshRun>,
     micro_batches: u32,
 ) -> (Vec<f64>, BTreeMap<String, HostTensor>) {
+    let optim = OptimConfig {
+        micro_batches,
+        ..OptimConfig::default()
+    };
     let none = Pipeline::new(Vec::new());
-    let mut t = Trainer::build_on(
-        &tiny(),
-        TrainConfig {
-            data: DataMode::Fixed.into(),
-            seed: 0,
-            lr: LrSchedule::constant(1e-3),
-            optim: OptimConfig {
-                micro_batches,
-                ..OptimConfig::default()
-            },
-        },
-        Backend::Cpu,
-        &CompileOptions::new(&none, Mode::Fused),
-        run,
-    )
-    .unwrap_or_else(|e| panic!("{micro_batches} micro-batches: {e}"));
+    let mut t = build_with(Backend::Cpu, run, &none, Precision::F32, optim);
     assert_eq!(t.graph.micro_batches(), micro_batches);
-    let losses = (0..STEPS)
-        .flat_map(|_| {
-            let m = t.step().unwrap();
-            [m.loss, m.grad_norm]
-        })
-        .collect();
+    let losses = losses_of(&mut t);
     let params = match run.map(|r| r.launch) {
         Some(Launch::FakeRankZero) => BTreeMap::new(),
         _ => t.parameters().unwrap().into_iter().collect(),
