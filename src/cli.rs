@@ -634,7 +634,9 @@ pub struct TrainArgs {
     /// Lowering and runtime settings that change speed, not the graph, as `name=value`
     /// comma-separated: `fusion.max_map_inputs`, `fusion.max_expr_nodes`,
     /// `fusion.converge_hops` (the lowering's fusion limits), `gemm` (`widest`, `avx2` or
-    /// `scalar`: the cpu GEMM kernel, refused elsewhere), `device_matmul` (`auto`, `tiled` or
+    /// `scalar`: the cpu GEMM kernel, refused elsewhere), `map_vector` (`widest`, `8` or `16`:
+    /// the lanes of the cpu backend's elementwise kernels; widest is 16 with AVX-512, else 8;
+    /// the bits do not depend on it), `device_matmul` (`auto`, `tiled` or
     /// `per_output`: the wgpu and cuda matmul kernel; `auto` is tiled on cuda, per-output on
     /// wgpu), `device_collectives` (`auto`, `nccl` or `host`: how cuda ranks move collectives;
     /// `auto` is NCCL where there are as many GPUs as ranks; `nccl` for ranks on several
@@ -879,6 +881,7 @@ fn runtime_options_from_env() -> Result<RuntimeOptions, String> {
         gemm_kernel,
         memory_limit_bytes,
         timeline: false,
+        map_vector: Default::default(),
         device_matmul: Default::default(),
         device_collectives: Default::default(),
         device_graphs: Default::default(),
@@ -1020,6 +1023,11 @@ impl TrainArgs {
                 "--tuning gemm: the GEMM kernel is the cpu backend's; --backend {backend} has its own"
             ));
         }
+        if tuning.map_vector.is_some() && backend != Backend::Cpu {
+            return Err(format!(
+                "--tuning map_vector: the lanes of the cpu backend's map kernels; --backend {backend} chooses its own"
+            ));
+        }
         if tuning.device_collectives.is_some() && backend != Backend::Cuda {
             return Err(format!(
                 "--tuning device_collectives: how cuda ranks move collectives; --backend {backend} moves them through host memory"
@@ -1059,6 +1067,7 @@ impl TrainArgs {
                 fusion: tuning.fusion,
                 runtime: RuntimeOptions {
                     gemm_kernel: tuning.gemm.unwrap_or(from_env.gemm_kernel),
+                    map_vector: tuning.map_vector.unwrap_or(from_env.map_vector),
                     device_matmul: tuning.device_matmul.unwrap_or(from_env.device_matmul),
                     device_graphs: tuning.device_graphs.unwrap_or(from_env.device_graphs),
                     device_collectives: tuning

@@ -99,6 +99,9 @@ pub fn check_pipeline_tuned(
     if let Some(kernel) = tuning.gemm {
         unoptimized.runtime.gemm_kernel = kernel;
     }
+    if let Some(lanes) = tuning.map_vector {
+        unoptimized.runtime.map_vector = lanes;
+    }
     let mut base = Trainer::build_on(model, cfg.clone(), backend, &unoptimized, mesh)
         .map_err(|e| e.to_string())?;
     let mut optimized = CompileOptions::new(pipeline, Mode::Fused);
@@ -106,6 +109,9 @@ pub fn check_pipeline_tuned(
     optimized.precision = precision;
     if let Some(kernel) = tuning.gemm {
         optimized.runtime.gemm_kernel = kernel;
+    }
+    if let Some(lanes) = tuning.map_vector {
+        optimized.runtime.map_vector = lanes;
     }
     if let Some(how) = tuning.device_collectives {
         optimized.runtime.device_collectives = how;

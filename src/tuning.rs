@@ -1,18 +1,21 @@
 //! Settings that change how fast a step runs and never its graph: the lowering's fusion limits,
-//! the cpu backend's GEMM kernel, the device backends' matmul kernel, collectives and device
+//! the cpu backend's GEMM kernel and map vector width, the device backends' matmul kernel, collectives and device
 //! graphs, and the compute threads of each rank on a mesh. `--tuning`
 //! sets them for `run`, `bench` and `search`; the search's setting knobs vary them, writing them
 //! after a candidate's passes in the same `name=value` form (`cse,capture,gemm=avx2`).
 
 use graphtrain_lowering::FusionLimits;
-use graphtrain_runtime::options::{DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel};
+use graphtrain_runtime::options::{
+    DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel, MapVector,
+};
 
 /// The settings `--tuning` and the search know, in the order a candidate lists them.
-pub const SETTINGS: [&str; 8] = [
+pub const SETTINGS: [&str; 9] = [
     "fusion.max_map_inputs",
     "fusion.max_expr_nodes",
     "fusion.converge_hops",
     "gemm",
+    "map_vector",
     "device_matmul",
     "device_collectives",
     "device_graphs",
@@ -25,6 +28,8 @@ pub struct Tuning {
     pub fusion: FusionLimits,
     /// The GEMM kernel (`GRAPHTRAIN_GEMM_KERNEL` when unset).
     pub gemm: Option<GemmKernel>,
+    /// The lanes of the cpu backend's map kernels (the widest the cpu has when unset).
+    pub map_vector: Option<MapVector>,
     /// The device backends' matmul kernel (tiled on `cuda`, one unit per output on `wgpu`,
     /// when unset).
     pub device_matmul: Option<DeviceMatmul>,
@@ -58,6 +63,11 @@ impl Tuning {
                 "gemm" => {
                     t.gemm = Some(GemmKernel::from_setting(value).ok_or_else(|| {
                         format!("`{entry}`: `gemm` takes {}", GemmKernel::SETTINGS)
+                    })?)
+                }
+                "map_vector" => {
+                    t.map_vector = Some(MapVector::from_setting(value).ok_or_else(|| {
+                        format!("`{entry}`: `map_vector` takes {}", MapVector::SETTINGS)
                     })?)
                 }
                 "device_matmul" => {
@@ -140,14 +150,18 @@ mod tests {
 
     #[test]
     fn settings_parse_and_split_from_passes() {
-        let t = Tuning::parse("fusion.max_expr_nodes=16, gemm=avx2,threads_per_rank=2").unwrap();
+        let t =
+            Tuning::parse("fusion.max_expr_nodes=16, gemm=avx2,threads_per_rank=2,map_vector=8")
+                .unwrap();
         assert_eq!(t.fusion.max_expr_nodes, 16);
         assert_eq!(t.gemm, Some(GemmKernel::Avx2));
+        assert_eq!(t.map_vector, Some(MapVector::Eight));
         assert_eq!(t.threads_per_rank, Some(2));
         assert_eq!(Tuning::parse("").unwrap(), Tuning::default());
         for (bad, why) in [
             ("gemm", "`name=value`"),
             ("gemm=avx9", "widest, avx512, avx2 or scalar"),
+            ("map_vector=4", "widest, 8 or 16"),
             ("fusion.max_expr_nodes=many", "whole number"),
             ("threads_per_rank=0", "at least 1"),
             ("blocks=8", "unknown setting `blocks`"),

@@ -7,7 +7,8 @@
 //! through cubecl), and wgpu eager and fused (the same composites kept, run on its own kernels).
 //! Each backend must match the interpreter to 1e-4 relative (the interpreter computes in f64
 //! and rounds each op to f32; the backends compute in f32); on each backend eager must equal
-//! fused, and a replayed run the dispatched one, bit for bit. Shapes are odd on purpose: not
+//! fused, and a replayed run the dispatched one, bit for bit, and maps read 8 lanes at a time
+//! the same bits as the widest vectors (16 with AVX-512). Shapes are odd on purpose: not
 //! multiples of the vector widths or the GEMM tiles.
 //!
 //! Every comparison goes through `common` (`tests/common/mod.rs`): NaN or infinity on either
@@ -28,7 +29,7 @@ use graphtrain_ir::{text, DType, Graph, HostTensor, TensorType};
 use graphtrain_lowering::Mode;
 use graphtrain_passes::testing::random_inputs;
 use graphtrain_runtime::{
-    run_once, run_once_with, Backend, DeviceMatmul, GemmKernel, RuntimeOptions,
+    run_once, run_once_with, Backend, DeviceMatmul, GemmKernel, MapVector, RuntimeOptions,
 };
 
 /// The names of `g`'s outputs, in order.
@@ -114,6 +115,12 @@ fn check(name: &str, src: &str) {
             run_once(&captured(&g), Backend::Cpu, mode, &inputs)
                 .unwrap_or_else(|e| panic!("{name}: cpu {mode:?} captured: {e}"))
         });
+        let eight_lanes = RuntimeOptions {
+            map_vector: MapVector::Eight,
+            ..RuntimeOptions::default()
+        };
+        let narrow = run_once_with(&g, Backend::Cpu, Mode::Fused, eight_lanes, &inputs)
+            .unwrap_or_else(|e| panic!("{name}: cpu fused, maps at 8 lanes: {e}"));
         let case = |what: &str| format!("{name} (seed {seed}): {what}");
         assert_outputs(
             &case("cpu eager vs the interpreter"),
@@ -127,6 +134,13 @@ fn check(name: &str, src: &str) {
             &names,
             &fused,
             &eager,
+            Agree::Bitwise,
+        );
+        assert_outputs(
+            &case("cpu fused: maps at 8 lanes vs the widest"),
+            &names,
+            &narrow,
+            &fused,
             Agree::Bitwise,
         );
         assert_outputs(
@@ -1374,7 +1388,14 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
     for seed in 0..2 {
         let inputs = random_inputs(&g, seed);
         let want = run_once(&g, Backend::Reference, Mode::Eager, &inputs).unwrap();
-        for gemm in [GemmKernel::Widest, GemmKernel::Avx512, GemmKernel::Avx2] {
+        let kernels = [
+            (GemmKernel::Widest, MapVector::Widest),
+            (GemmKernel::Widest, MapVector::Eight),
+            (GemmKernel::Avx512, MapVector::Widest),
+            (GemmKernel::Avx2, MapVector::Widest),
+        ];
+        let mut widest = None;
+        for (gemm, map_vector) in kernels {
             for (graph, mode) in [
                 (g.clone(), Mode::Eager),
                 (g.clone(), Mode::Fused),
@@ -1383,6 +1404,7 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
                 let options = graphtrain_runtime::CompileOptions {
                     runtime: RuntimeOptions {
                         gemm_kernel: gemm,
+                        map_vector,
                         ..RuntimeOptions::default()
                     },
                     ..graphtrain_runtime::CompileOptions::new(&pipeline, mode)
@@ -1402,13 +1424,24 @@ fn bf16_values_stored_in_two_bytes_read_as_they_were_written() {
                 let p = slots.program.as_mut().unwrap();
                 p.bf16_in_two_bytes.clear();
                 p.plan_in_windows(1 << 40).unwrap();
-                let what = format!("bf16 in 2 bytes, {mode:?} {gemm:?} (seed {seed})");
+                let what =
+                    format!("bf16 in 2 bytes, {mode:?} {gemm:?} {map_vector:?} (seed {seed})");
                 let got = graphtrain_runtime::run_compiled(halves, &inputs)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let in_slots = graphtrain_runtime::run_compiled(slots, &inputs)
                     .unwrap_or_else(|e| panic!("{what}, 4-byte slots: {e}"));
                 assert_outputs(&what, &names, &got, &in_slots, Agree::Bitwise);
                 assert_outputs(&what, &names, &got, &want, Agree::Relative(1.0 / 64.0));
+                // Maps at 8 lanes: the bits of the widest vectors, on the same GEMM.
+                if gemm == GemmKernel::Widest {
+                    match (&widest, map_vector) {
+                        (None, MapVector::Widest) => widest = Some(got.clone()),
+                        (Some(w), MapVector::Eight) => {
+                            assert_outputs(&what, &names, &got, w, Agree::Bitwise)
+                        }
+                        _ => {}
+                    }
+                }
             }
         }
     }

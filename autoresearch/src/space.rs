@@ -104,13 +104,14 @@ impl Space {
     }
 
     /// `builtin(mesh)` and the settings graphtrain's cpu backend is tuned by: fusion limits of
-    /// the lowering, the GEMM kernel, and on a mesh the compute threads of each rank.
+    /// the lowering, the GEMM kernel, the maps' vector width, and on a mesh the compute threads of each rank.
     pub fn builtin_with_settings(mesh: bool) -> Space {
         let mut space = Space::builtin(mesh);
         space.knobs.extend([
             setting("fusion.max_expr_nodes", &["16", "96"]),
             setting("fusion.converge_hops", &["2", "12"]),
             setting("gemm", &["avx2"]),
+            setting("map_vector", &["8"]),
         ]);
         if mesh {
             space.knobs.push(setting("threads_per_rank", &["1", "2"]));

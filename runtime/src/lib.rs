@@ -39,7 +39,7 @@ pub use compile::{
     compile, legalize, lower_for_backend, CompileOptions, CompileTimings, Compiled, Fingerprint,
 };
 pub use options::{
-    DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel, Profile, RuntimeOptions,
+    DeviceCollectives, DeviceGraphs, DeviceMatmul, GemmKernel, MapVector, Profile, RuntimeOptions,
 };
 pub use ranks::{global_type, ThreadRanks};
 pub use reference::ReferenceExecutor;

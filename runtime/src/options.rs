@@ -32,6 +32,57 @@ impl Profile {
     }
 }
 
+/// How many lanes the cpu backend's plain map kernels read at once (reductions keep 8, the
+/// lanes their order of sums is written for). Each lane computes the same arithmetic at any
+/// width: the bits do not depend on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MapVector {
+    /// One register of the widest vectors the cpu has: 16 with AVX-512, else 8.
+    #[default]
+    Widest,
+    /// 8 lanes (one AVX2 register), to measure the difference.
+    Eight,
+    /// 16 lanes (one AVX-512 register); refused at load on a cpu without AVX-512.
+    Sixteen,
+}
+
+impl MapVector {
+    /// The values `--tuning map_vector=` takes.
+    pub const SETTINGS: &'static str = "widest, 8 or 16";
+
+    pub fn from_setting(value: &str) -> Option<MapVector> {
+        match value {
+            "widest" => Some(MapVector::Widest),
+            "8" => Some(MapVector::Eight),
+            "16" => Some(MapVector::Sixteen),
+            _ => None,
+        }
+    }
+
+    /// The lanes on this cpu, or why it cannot run them.
+    pub fn lanes(self) -> Result<usize, String> {
+        let avx512 = cpu_has_avx512();
+        match self {
+            MapVector::Widest => Ok(if avx512 { 16 } else { 8 }),
+            MapVector::Eight => Ok(8),
+            MapVector::Sixteen if avx512 => Ok(16),
+            MapVector::Sixteen => {
+                Err("map_vector=16 needs AVX-512, which this cpu does not have".into())
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn cpu_has_avx512() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_has_avx512() -> bool {
+    false
+}
+
 /// Which matmul kernel the device backends (`wgpu`, `cuda`) launch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceMatmul {
@@ -76,6 +127,8 @@ pub struct RuntimeOptions {
     /// Which GEMM kernel the cpu backend runs (the widest the cpu has by default; narrower ones
     /// for benchmarking them).
     pub gemm_kernel: GemmKernel,
+    /// How many lanes the cpu backend's plain maps read at once.
+    pub map_vector: MapVector,
     /// Which matmul kernel the device backends launch.
     pub device_matmul: DeviceMatmul,
     /// How the device backends move collectives.

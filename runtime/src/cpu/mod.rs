@@ -59,6 +59,7 @@ fn units() -> u32 {
 /// Launches below `small` outputs stay on one thread: waking the pool costs more than they do.
 const GRID: Grid = Grid {
     vector: VECTOR,
+    map_vector: VECTOR,
     units: |work, small| if work >= small { units() } else { 1 },
     guard_ops: false,
 };
@@ -91,6 +92,8 @@ pub struct CpuExecutor {
     timeline: Option<Recorder>,
     /// The GEMM kernel matmuls and attention's products run on.
     gemm: gemm::GemmKernel,
+    /// The lanes of plain map kernels (`RuntimeOptions::map_vector`).
+    map_vector: usize,
     comm: Box<dyn Communicator>,
     /// Offloaded values (`Program::host_values`), from their offload to the next run's.
     /// Compiled for `cpu`, a Program has none (`compile` removes offloading there: the arena is
@@ -162,6 +165,7 @@ memory is available to the cpu backend",
             profile_each_step: options.profile == Profile::EachStep,
             timeline: options.timeline.then(Recorder::default),
             gemm: options.gemm_kernel,
+            map_vector: options.map_vector.lanes().map_err(RuntimeError::Backend)?,
             comm,
             host: Default::default(),
         };
@@ -247,7 +251,10 @@ shape {:?} strides {:?}",
     fn launches(&self) -> Launches<'_> {
         Launches {
             program: &self.program,
-            grid: GRID,
+            grid: Grid {
+                map_vector: self.map_vector,
+                ..GRID
+            },
         }
     }
 

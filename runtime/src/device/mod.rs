@@ -74,6 +74,7 @@ const MAX_UNITS: usize = CUBE * 4096;
 /// One unit per 4 outputs of a map, copy or reduction, in whole cubes once past one cube.
 const DEVICE_GRID: Grid = Grid {
     vector: VECTOR,
+    map_vector: VECTOR,
     units: |work, _| units_for(work.div_ceil(4)),
     guard_ops: true,
 };

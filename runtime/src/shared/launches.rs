@@ -21,6 +21,11 @@ const COPY_ROW: usize = 4096;
 pub struct Grid {
     /// The widest vector a map or column reduction reads (8 on AVX2, 4 on wgpu).
     pub vector: usize,
+    /// The vector a plain map (no reduction) reads where every operand allows it: `vector` or
+    /// a multiple of it (16 on a cpu with AVX-512). Each lane computes the same arithmetic at
+    /// any width, so only speed depends on it; reductions keep `vector`, whose lanes are their
+    /// order of sums.
+    pub map_vector: usize,
     /// Units for a launch over `work` outputs, given the size below which the cpu backend
     /// keeps a launch on one thread (`small`).
     pub units: fn(work: usize, small: usize) -> u32,
@@ -140,11 +145,18 @@ impl Launches<'_> {
         if out_two_byte {
             modes |= OUT_TWO_BYTE;
         }
-        // Whole vectors first; the tail (len % self.grid.vector) with a width-1 launch of the same kernel.
-        let body = if vectorizable {
-            len / self.grid.vector * self.grid.vector
+        let vector = self.map_width(inputs, &offs, out_off, len, out_two_byte);
+        // Whole wide vectors first, then whole vectors of the grid's width, then the tail
+        // (len % self.grid.vector) with a width-1 launch of the same kernel. A width-1 launch
+        // may round differently from a vector lane (its `exp` is not the vectors'), so the tail
+        // is the same elements at every map width.
+        let (wide, body) = if vectorizable {
+            (
+                len / vector * vector,
+                len / self.grid.vector * self.grid.vector,
+            )
         } else {
-            0
+            (0, 0)
         };
         let mut push = |width: usize, start: usize, count: usize| {
             if count == 0 {
@@ -176,19 +188,44 @@ impl Launches<'_> {
                 [start, row_len, out_vector, count / width],
             ));
         };
-        if out_two_byte
-            && (!len.is_multiple_of(2 * self.grid.vector)
-                || !out_off.is_multiple_of(self.grid.vector))
-        {
+        if out_two_byte && (!len.is_multiple_of(2 * vector) || !out_off.is_multiple_of(vector)) {
             return Err(RuntimeError::Backend(format!(
                 "a map writing {len} bf16 elements in 2 bytes at slot {out_off}: not whole pairs \
-of {}-lane vectors",
-                self.grid.vector
+of {vector}-lane vectors"
             )));
         }
-        push(self.grid.vector, 0, body);
+        push(vector, 0, wide);
+        push(self.grid.vector, wide, body - wide);
         push(1, body, len - body);
         Ok(())
+    }
+
+    /// The vector width of a plain map: the grid's `map_vector` where every full or
+    /// inner-broadcast operand and the output start on a whole vector of it (in 4-byte slots),
+    /// every broadcast's period is whole vectors of it and a 2-byte output is whole pairs of
+    /// them; else the grid's `vector`, which the lowering guarantees.
+    fn map_width(
+        &self,
+        inputs: &[graphtrain_lowering::MapInput],
+        offs: &[usize; 6],
+        out_off: usize,
+        len: usize,
+        out_two_byte: bool,
+    ) -> usize {
+        let wide = self.grid.map_vector;
+        let fits = wide > self.grid.vector
+            && out_off.is_multiple_of(wide)
+            && (!out_two_byte || len.is_multiple_of(2 * wide))
+            && inputs.iter().zip(offs).all(|(i, &o)| match i.access {
+                Access::Full | Access::Inner { .. } if !o.is_multiple_of(wide) => false,
+                Access::Outer { inner: p } | Access::Inner { period: p } => p.is_multiple_of(wide),
+                Access::Full | Access::Scalar => true,
+            });
+        if fits {
+            wide
+        } else {
+            self.grid.vector
+        }
     }
 
     /// The map kernel in its reducing form (`REDUCE_*`), at the grid's vector width: rows are a
