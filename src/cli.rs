@@ -1142,6 +1142,15 @@ pub struct RunArgs {
     /// one cannot be written this way and stops the run with an error.
     #[arg(long)]
     pub dump_batches: Option<PathBuf>,
+    /// Start from these parameters instead of the seed's: a safetensors file with every
+    /// parameter under the graph's names (what --init-out writes; F32, BF16 or F16, widened
+    /// exactly), or a graphtrain checkpoint (file or sharded folder), of which only the
+    /// parameters are taken: the run starts at step 1 with fresh optimizer state, e.g. to
+    /// fine-tune on other data. --seed still draws the data. A missing parameter, a shape that
+    /// differs, a tensor the step does not have or a non-finite value is an error naming it.
+    /// Not with --resume, which restores parameters and optimizer state.
+    #[arg(long, conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
     /// Write the initial parameters (before step 1) to this safetensors file, F32, under the
     /// graph's names (torchtitan's, e.g. `layers.0.attention.wq.weight`, Linear weights
     /// [out, in]). The PyTorch peer (../shared/peers/torch/llama_step.py --init) has the layout
@@ -2423,14 +2432,50 @@ fn describe_mesh_run(run: &crate::trainer::MeshRun, batch: usize) -> String {
     }
 }
 
-fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
+fn run(mut a: RunArgs, registry: &Registry) -> Result<(), String> {
     let t0 = Instant::now();
     let lr = a.lr_schedule();
     lr.check()?;
+    // Read before the step is built: a wrong file fails fast, and a checkpoint's tokenizer
+    // tokenizes the new text (its embeddings know no other).
+    let initial = match &a.init {
+        Some(path) => Some(crate::init_weights::read(path).map_err(|e| format!("--init {e}"))?),
+        None => None,
+    };
+    let init_tokenizer = initial.as_ref().and_then(|i| i.tokenizer_json.as_ref());
+    if let (Some(json), DataArg::Path(_), None) =
+        (init_tokenizer, &a.train.data, &a.train.text.tokenizer)
+    {
+        let dir = match &a.train.text.data_cache {
+            Some(d) => d.clone(),
+            None => default_cache_dir()?,
+        }
+        .join("init-tokenizers");
+        let file = dir.join(format!(
+            "{:016x}.json",
+            crate::checkpoint::fnv1a64(json.as_bytes())
+        ));
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(&file, json))
+            .map_err(|e| {
+                format!(
+                    "--init: cannot write its tokenizer to {}: {e}",
+                    file.display()
+                )
+            })?;
+        say!(
+            "tokenizer: the one in {} (--tokenizer to use another)",
+            a.init
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string())
+        );
+        a.train.text.tokenizer = Some(file);
+    }
     if a.train.mesh.launcher == Some(Launcher::Fake) {
         let whole = [
             ("--checkpoint", a.checkpoint.is_some()),
             ("--resume", a.resume.is_some()),
+            ("--init", a.init.is_some()),
             ("--init-out", a.init_out.is_some()),
             ("--val-every", a.eval.val_every.is_some()),
             ("--sample-tokens", a.eval.sample_tokens > 0),
@@ -2542,6 +2587,19 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
             cfg.batch,
             cfg.batch / micro_batches
         );
+    }
+    if let (Some(path), Some(initial)) = (&a.init, initial) {
+        let crate::init_weights::InitialWeights {
+            tensors,
+            from_checkpoint,
+            ..
+        } = initial;
+        trainer
+            .init_parameters(tensors, |name| {
+                crate::init_weights::unused_is_fine(from_checkpoint, name)
+            })
+            .map_err(|e| format!("--init `{}`: {e}", path.display()))?;
+        say!("initial parameters from {}", path.display());
     }
     if let Some(path) = &a.resume {
         // An MPI rank reads only the rank files that hold its own parts.
@@ -2747,7 +2805,7 @@ fn run(a: RunArgs, registry: &Registry) -> Result<(), String> {
 }
 
 /// The checkpoint metadata entry that holds the run's tokenizer (`tokenizer.json` text).
-const TOKENIZER_KEY: &str = "tokenizer.json";
+pub(crate) const TOKENIZER_KEY: &str = "tokenizer.json";
 /// The lr schedule a checkpoint's run trained with (`LrSchedule`'s text), to say so when a
 /// resume goes on with another.
 const LR_SCHEDULE_KEY: &str = "lr_schedule";

@@ -1295,6 +1295,62 @@ step, so it cannot resume the data there",
         Ok(())
     }
 
+    /// Starts from given parameters instead of the seed's: each parameter becomes the tensor of
+    /// its name in `tensors` (whole tensors of the train step's types; on an MPI rank its own
+    /// part is cut from them). Optimizer state and the step count stay as built (zeros): a new
+    /// run from these weights. A tensor that names no parameter is an error unless `ignore`
+    /// accepts its name (a checkpoint's optimizer state); so are a missing parameter, a tensor
+    /// of another type, and a call after the first step.
+    pub fn init_parameters(
+        &mut self,
+        tensors: Vec<(String, HostTensor)>,
+        ignore: impl Fn(&str) -> bool,
+    ) -> Result<(), TrainError> {
+        self.need_whole_tensors("initial parameters")?;
+        if self.steps_done != 0 {
+            return Err(err(format!(
+                "initial parameters are set before the first step; {} steps are done",
+                self.steps_done
+            )));
+        }
+        self.pull_slots()?;
+        let mut by_name: std::collections::HashMap<String, HostTensor> =
+            tensors.into_iter().collect();
+        for (input, slot) in self.graph.inputs.iter().zip(&mut self.slots) {
+            if input.kind != InputKind::Param {
+                continue;
+            }
+            let value = by_name
+                .remove(&input.name)
+                .ok_or_else(|| err(format!("no tensor `{}`", input.name)))?;
+            let want = global_input_type(&self.graph, input);
+            if value.ty != want {
+                return Err(err(format!(
+                    "tensor `{}` is {}, the train step's parameter is {want}",
+                    input.name, value.ty
+                )));
+            }
+            *slot = match (self.ranks, &self.graph.mesh, &input.placement) {
+                (Ranks::Mpi { rank }, Some(mesh), Some(p)) => {
+                    local_part(&value, p, mesh, rank).map_err(err)?
+                }
+                _ => value,
+            };
+        }
+        let mut extra: Vec<&String> = by_name.keys().filter(|name| !ignore(name)).collect();
+        extra.sort();
+        if let Some(name) = extra.first() {
+            return Err(err(format!(
+                "it holds `{name}`{}, which is not a parameter of this train step",
+                match extra.len() {
+                    1 => String::new(),
+                    n => format!(" and {} more", n - 1),
+                }
+            )));
+        }
+        write_inputs(self.exec.as_mut(), &self.slots)
+    }
+
     /// Current value of the input named `name` (a parameter, a state tensor).
     pub fn input_value(&mut self, name: &str) -> Option<&HostTensor> {
         self.pull_slots().ok()?;

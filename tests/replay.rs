@@ -1,7 +1,7 @@
 //! Replay files for the PyTorch peer: `--dump-batches` holds exactly the batches trained on, as
 //! [batch, seq+1] u32 blocks, and refuses batches it cannot represent; `--init-out` holds
 //! exactly the initial parameters, under names the peer's `load_init` maps onto every one of its
-//! parameters. With the peer's venv (`../shared/peers/torch/venv`, or GRAPHTRAIN_PEER_PYTHON),
+//! parameters, and `--init` starts a run from such a file (or a checkpoint's parameters). With the peer's venv (`../shared/peers/torch/venv`, or GRAPHTRAIN_PEER_PYTHON),
 //! Python reads checkpoints and init files, and the peer loads the init file.
 
 use graphtrain::checkpoint;
@@ -183,6 +183,260 @@ fn dumped_batches_and_initial_weights_are_exact() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && err.contains("cannot be used with"),
+        "{err}"
+    );
+}
+
+/// The losses (full precision) of a `run --metrics` file, step by step.
+fn metric_losses(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(r#""kind":"step""#))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["loss"].as_f64().unwrap()
+        })
+        .collect()
+}
+
+/// `--init` starts from a file's parameters: an `--init-out` file gives back its run's losses
+/// bit for bit and another seed's file other losses; a checkpoint's parameters (not its
+/// optimizer state or step count) give, on the same fixed batch, the loss the checkpointed run's
+/// next step had; BF16 weights are widened exactly (the run's `--init-out` is the file's values);
+/// a file of another model, a missing, extra or non-finite tensor and a file that is no
+/// safetensors are refused with the tensor's name or the reason.
+#[test]
+fn init_starts_from_a_files_parameters_and_refuses_a_wrong_file() {
+    let path = |name: &str| temp(&format!("init-{name}"));
+    let p = |name: &str| path(name).to_str().unwrap().to_string();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--config", "tiny", "--data", "fixed"];
+        args.extend_from_slice(extra);
+        graphtrain(&args)
+    };
+    let (w1, w2, m) = (p("w1.safetensors"), p("w2.safetensors"), p("m.jsonl"));
+    ok(&run(&[
+        "--seed",
+        "1",
+        "--steps",
+        "3",
+        "--init-out",
+        &w1,
+        "--metrics",
+        &m,
+    ]));
+    let seed1 = metric_losses(Path::new(&m));
+    ok(&run(&["--seed", "2", "--steps", "1", "--init-out", &w2]));
+    ok(&run(&[
+        "--seed",
+        "1",
+        "--steps",
+        "3",
+        "--init",
+        &w1,
+        "--metrics",
+        &m,
+    ]));
+    assert_eq!(metric_losses(Path::new(&m)), seed1, "seed 1's own weights");
+    let o = run(&[
+        "--seed",
+        "1",
+        "--steps",
+        "1",
+        "--init",
+        &w2,
+        "--metrics",
+        &m,
+    ]);
+    ok(&o);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("initial parameters from"));
+    assert_ne!(
+        metric_losses(Path::new(&m))[0],
+        seed1[0],
+        "seed 2's weights"
+    );
+
+    // A checkpoint after 3 steps: its weights, fresh optimizer state, step 1.
+    let ckpt = p("c.ckpt");
+    ok(&run(&["--seed", "1", "--steps", "4", "--metrics", &m]));
+    let four = metric_losses(Path::new(&m));
+    ok(&run(&[
+        "--seed",
+        "1",
+        "--steps",
+        "3",
+        "--checkpoint",
+        &ckpt,
+    ]));
+    ok(&run(&[
+        "--seed",
+        "1",
+        "--steps",
+        "2",
+        "--init",
+        &ckpt,
+        "--metrics",
+        &m,
+    ]));
+    let from_ckpt = metric_losses(Path::new(&m));
+    assert_eq!(
+        from_ckpt[0], four[3],
+        "the checkpoint's weights on step 4's batch"
+    );
+    assert_ne!(from_ckpt[1], four[3], "and a step taken from them");
+
+    // BF16: the seed-1 weights rounded to bf16 (kept in the high halves), read back widened.
+    let weights = read_f32(Path::new(&w1));
+    let halves: Vec<(String, Vec<usize>, Vec<u8>)> = weights
+        .iter()
+        .map(|(name, (shape, values))| {
+            let bytes = values
+                .iter()
+                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            (name.clone(), shape.clone(), bytes)
+        })
+        .collect();
+    let write = |file: &str, tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)]| {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+                (n.clone(), view)
+            })
+            .collect();
+        std::fs::write(path(file), safetensors::serialize(views, None).unwrap()).unwrap();
+        p(file)
+    };
+    let bf16: Vec<_> = halves
+        .iter()
+        .map(|(n, s, b)| (n.clone(), safetensors::Dtype::BF16, s.clone(), b.clone()))
+        .collect();
+    let (bf16_file, back) = (write("bf16.safetensors", &bf16), p("back.safetensors"));
+    ok(&run(&[
+        "--steps",
+        "1",
+        "--init",
+        &bf16_file,
+        "--init-out",
+        &back,
+    ]));
+    for (name, (_, values)) in read_f32(Path::new(&back)) {
+        let want = &weights[&name].1;
+        assert!(
+            values
+                .iter()
+                .zip(want)
+                .all(|(v, w)| v.to_bits() == w.to_bits() & 0xFFFF_0000),
+            "{name} is not its bf16 halves widened"
+        );
+    }
+
+    // On text, a checkpoint's tokenizer tokenizes the new text.
+    let show = graphtrain(&["config", "show", "tiny"]);
+    ok(&show);
+    let ron = String::from_utf8_lossy(&show.stdout).replace("vocab_size: 64", "vocab_size: 300");
+    let (cfg300, cache) = (p("tiny300.ron"), p("cache"));
+    std::fs::write(&cfg300, ron).unwrap();
+    let words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"];
+    let text = |n: usize, k: usize| -> String {
+        (0..n)
+            .map(|i| words[(i * k + i / 3) % 8])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (first, second, text_ckpt) = (p("first.txt"), p("second.txt"), p("text.ckpt"));
+    std::fs::write(&first, text(6000, 3)).unwrap();
+    std::fs::write(&second, text(3000, 5)).unwrap();
+    let on_text = |data: &str, extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--config",
+            &cfg300,
+            "--data",
+            data,
+            "--data-cache",
+            &cache,
+        ];
+        args.extend_from_slice(extra);
+        graphtrain(&args)
+    };
+    ok(&on_text(
+        &first,
+        &["--steps", "1", "--checkpoint", &text_ckpt],
+    ));
+    let o = on_text(&second, &["--steps", "1", "--init", &text_ckpt]);
+    ok(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("tokenizer: the one in") && out.contains("init-tokenizers"),
+        "{out}"
+    );
+
+    // Wrong files, each refused by name.
+    let mut missing = bf16.clone();
+    let gone = missing.pop().unwrap().0;
+    let mut extra = bf16.clone();
+    extra.push((
+        "layers.9.attention.wq.weight".into(),
+        safetensors::Dtype::BF16,
+        vec![1],
+        vec![0, 0],
+    ));
+    let mut non_finite = bf16.clone();
+    non_finite[0].3[2..4].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    let not_safetensors = temp("init-not.safetensors");
+    std::fs::write(&not_safetensors, b"not a tensor file").unwrap();
+    for (file, needles) in [
+        (
+            write("missing.safetensors", &missing),
+            vec![format!("no tensor `{gone}`")],
+        ),
+        (
+            write("extra.safetensors", &extra),
+            vec![
+                "`layers.9.attention.wq.weight`".into(),
+                "not a parameter".into(),
+            ],
+        ),
+        (
+            write("nan.safetensors", &non_finite),
+            vec![
+                format!("`{}`", bf16[0].0),
+                "element 1".into(),
+                "finite".into(),
+            ],
+        ),
+        (
+            not_safetensors.to_str().unwrap().to_string(),
+            vec!["not a safetensors file".into()],
+        ),
+    ] {
+        let o = run(&["--steps", "1", "--init", &file]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{file} was accepted");
+        assert!(!err.contains("panicked"), "{err}");
+        for n in &needles {
+            assert!(err.contains(n.as_str()), "{file}: `{n}` not in: {err}");
+        }
+    }
+    let o = graphtrain(&[
+        "run",
+        "--config",
+        "small",
+        "--backend",
+        "reference",
+        "--steps",
+        "0",
+        "--init",
+        &w1,
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("tok_embeddings.weight")
+            && err.contains("is f32[64,32]"),
         "{err}"
     );
 }
