@@ -1146,7 +1146,9 @@ pub struct RunArgs {
     /// parameter under the graph's names (what --init-out writes; F32, BF16 or F16, widened
     /// exactly), or a graphtrain checkpoint (file or sharded folder), of which only the
     /// parameters are taken: the run starts at step 1 with fresh optimizer state, e.g. to
-    /// fine-tune on other data. --seed still draws the data. A missing parameter, a shape that
+    /// fine-tune on other data; a checkpoint of a run on text brings its tokenizer, which
+    /// tokenizes --data PATH unless --tokenizer is given. --seed still draws the data. A
+    /// missing parameter, a shape that
     /// differs, a tensor the step does not have or a non-finite value is an error naming it.
     /// Not with --resume, which restores parameters and optimizer state.
     #[arg(long, conflicts_with = "resume")]
