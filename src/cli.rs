@@ -361,9 +361,10 @@ impl PassArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum ConfigCommand {
-    /// Print a built-in configuration as RON (a starting point for `--config FILE.ron`).
+    /// Print a configuration as RON (a starting point for `--config FILE.ron`): a built-in one,
+    /// or a Hugging Face Llama `config.json` (or its model folder) as graphtrain reads it.
     Show {
-        /// Built-in config name.
+        /// Built-in config name, or a transformers config.json or model folder.
         name: String,
     },
     /// List the built-in configurations.
@@ -375,7 +376,9 @@ pub struct ModelArgs {
     /// Model architecture.
     #[arg(long, default_value = "llama3")]
     pub model: String,
-    /// Built-in config name (tiny, small, debug, peer, 8b, 70b, 405b) or a path to a RON config file.
+    /// Built-in config name (tiny, small, debug, peer, 8b, 70b, 405b), a path to a RON config
+    /// file, or a Hugging Face Llama `config.json` (or the model folder holding it; batch 8 and
+    /// the model's context up to 2048 tokens, which `config show` prints to edit as RON).
     #[arg(long)]
     pub config: String,
 }
@@ -1144,7 +1147,8 @@ pub struct RunArgs {
     pub dump_batches: Option<PathBuf>,
     /// Start from these parameters instead of the seed's: a safetensors file with every
     /// parameter under the graph's names (what --init-out writes; F32, BF16 or F16, widened
-    /// exactly), or a graphtrain checkpoint (file or sharded folder), of which only the
+    /// exactly), a Hugging Face Llama model folder (transformers' names mapped; with
+    /// `--config FOLDER`), or a graphtrain checkpoint (file or sharded folder), of which only the
     /// parameters are taken: the run starts at step 1 with fresh optimizer state, e.g. to
     /// fine-tune on other data; a checkpoint of a run on text brings its tokenizer, which
     /// tokenizes --data PATH unless --tokenizer is given. --seed still draws the data. A
@@ -1757,12 +1761,17 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Tokenizer(c) => tokenizer_command(c),
         Command::Data(c) => data_command(c),
         Command::Config(ConfigCommand::Show { name }) => {
-            let cfg = Llama3Config::builtin(&name).ok_or_else(|| {
-                format!(
-                    "unknown config `{name}`; built-in configs: {}",
+            let hf = name.ends_with(".json") || std::path::Path::new(&name).is_dir();
+            let cfg = match Llama3Config::builtin(&name) {
+                Some(cfg) => cfg,
+                None if hf => crate::config::load_config(&name)?,
+                None => {
+                    return Err(format!(
+                    "unknown config `{name}`; built-in configs: {}; or a transformers config.json",
                     LLAMA3_CONFIGS.join(", ")
-                )
-            })?;
+                ))
+                }
+            };
             say_raw!("{}", config_to_ron(&cfg));
             say!();
             Ok(())

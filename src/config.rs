@@ -1,4 +1,5 @@
-//! Resolving `--model` / `--config` into a model configuration: a built-in name or a RON file.
+//! Resolving `--model` / `--config` into a model configuration: a built-in name, a RON file, or
+//! a Hugging Face Llama `config.json` (`hf.rs`).
 
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS, MODELS};
 use std::path::Path;
@@ -15,12 +16,28 @@ pub fn check_model(model: &str) -> Result<(), String> {
     }
 }
 
-/// A built-in config name, or a path to a RON file holding every `Llama3Config` field.
+/// A built-in config name, a path to a RON file holding every `Llama3Config` field, or a
+/// transformers Llama `config.json` (or the model folder holding one).
 pub fn load_config(spec: &str) -> Result<Llama3Config, String> {
     if let Some(cfg) = Llama3Config::builtin(spec) {
         return Ok(cfg);
     }
     let path = Path::new(spec);
+    let hf_json = if path.is_dir() {
+        Some(path.join("config.json"))
+    } else {
+        spec.ends_with(".json").then(|| path.to_path_buf())
+    };
+    if let Some(json) = hf_json {
+        let text = std::fs::read_to_string(&json)
+            .map_err(|e| format!("cannot read config file `{}`: {e}", json.display()))?;
+        return crate::hf::config_from_hf(&text).map_err(|e| {
+            format!(
+                "config file `{}` (a transformers config): {e}",
+                json.display()
+            )
+        });
+    }
     let looks_like_path = spec.contains('/') || spec.ends_with(".ron") || path.exists();
     if !looks_like_path {
         return Err(format!(

@@ -7,6 +7,8 @@
 //!   `layers.0.attention.wq.weight`, Linear weights `[out, in]`): what `run --init-out` writes,
 //!   or another framework's weights saved under those names. F32, BF16 and F16 tensors are
 //!   read, the last two widened to f32 exactly; any other dtype is refused rather than rounded.
+//! - a Hugging Face Llama model folder (or one of its files): transformers' names mapped to the
+//!   graph's (`hf.rs`), with the config read from its `config.json` (`--config DIR`).
 //! - a graphtrain checkpoint (a file, or a sharded checkpoint's folder), verified as `--resume`
 //!   verifies it: its parameters only. Its optimizer state (`opt.*`) and step count are left
 //!   behind: the run starts at step 1 with fresh optimizer state, from those weights. The
@@ -41,8 +43,27 @@ pub fn unused_is_fine(from_checkpoint: bool, name: &str) -> bool {
 /// Reads `path` (see the module's doc); the error names the file and what is wrong with it.
 pub fn read(path: &Path) -> Result<InitialWeights, String> {
     let at = |what: String| format!("`{}`: {what}", path.display());
-    if sharded::is_sharded(path) {
+    if path.is_dir() && path.join(sharded::MANIFEST).exists() {
         return checkpoint_weights(sharded::load_any(path)?);
+    }
+    if path.is_dir() {
+        // A model folder: every safetensors file in it (transformers' shards).
+        let mut files: Vec<_> = std::fs::read_dir(path)
+            .map_err(|e| at(format!("cannot read the folder: {e}")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(at(
+                "a folder with no *.safetensors file and no checkpoint manifest".into(),
+            ));
+        }
+        let mut tensors = Vec::new();
+        for file in &files {
+            tensors.extend(plain_file(file)?);
+        }
+        return named_as_the_graph(tensors).map_err(at);
     }
     let bytes = std::fs::read(path).map_err(|e| at(format!("cannot read it: {e}")))?;
     let (_, info) = SafeTensors::read_metadata(&bytes)
@@ -55,21 +76,52 @@ pub fn read(path: &Path) -> Result<InitialWeights, String> {
     if is_checkpoint {
         return checkpoint_weights(checkpoint::from_bytes(&bytes).map_err(at)?);
     }
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| at(format!("not a safetensors file ({e})")))?;
+    named_as_the_graph(tensors_of(&bytes).map_err(at)?).map_err(at)
+}
+
+/// The tensors of one plain safetensors file (no checkpoint), widened to f32.
+fn plain_file(path: &Path) -> Result<Vec<(String, HostTensor)>, String> {
+    let at = |what: String| format!("`{}`: {what}", path.display());
+    let bytes = std::fs::read(path).map_err(|e| at(format!("cannot read it: {e}")))?;
+    tensors_of(&bytes).map_err(at)
+}
+
+fn tensors_of(bytes: &[u8]) -> Result<Vec<(String, HostTensor)>, String> {
+    let file =
+        SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file ({e})"))?;
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
         let data = widened(view.dtype(), view.data())
-            .map_err(|what| at(format!("tensor `{name}` is {what}")))?;
+            .map_err(|what| format!("tensor `{name}` is {what}"))?;
         let t = finite(
             &name,
             TensorType::new(DType::F32, view.shape().to_vec()),
             data,
-        )
-        .map_err(at)?;
+        )?;
         tensors.push((name, t));
     }
+    Ok(tensors)
+}
+
+/// `tensors` under the graph's names: transformers' Llama names mapped (`hf::graph_name`,
+/// its buffers dropped), the graph's own kept; sorted by name.
+fn named_as_the_graph(tensors: Vec<(String, HostTensor)>) -> Result<InitialWeights, String> {
+    let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    let mut tensors = if crate::hf::is_hf(&names) {
+        let mut mapped = Vec::new();
+        for (name, t) in tensors {
+            if let Some(ours) = crate::hf::graph_name(&name)? {
+                mapped.push((ours, t));
+            }
+        }
+        mapped
+    } else {
+        tensors
+    };
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(format!("tensor `{}` is given twice", w[0].0));
+    }
     Ok(InitialWeights {
         tensors,
         from_checkpoint: false,

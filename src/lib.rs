@@ -12,6 +12,7 @@ pub mod data;
 pub mod dot;
 pub mod eval;
 pub mod gate;
+pub mod hf;
 pub mod init_weights;
 pub mod lr_schedule;
 pub mod metrics;

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 /// `manifest.json`'s `format`.
 const FORMAT: &str = "graphtrain-sharded-checkpoint";
-const MANIFEST: &str = "manifest.json";
+pub(crate) const MANIFEST: &str = "manifest.json";
 
 /// What commits a sharded checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -441,6 +441,119 @@ fn init_starts_from_a_files_parameters_and_refuses_a_wrong_file() {
     );
 }
 
+/// A Hugging Face Llama model folder (`config.json` and safetensors shards under transformers'
+/// names, with a RoPE buffer older versions saved) trains as `--config DIR --init DIR`: the
+/// losses of the same weights under the graph's names, bit for bit. What transformers itself
+/// computes from such a folder: `transformers_computes_the_same_loss_from_a_llama_folder`.
+#[test]
+fn a_hugging_face_llama_folder_is_a_config_and_initial_weights() {
+    let dir = temp("hf-llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64, "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0, "max_position_embeddings": 16, "hidden_act": "silu",
+  "tie_word_embeddings": false, "rope_scaling": null, "torch_dtype": "float32"}"#;
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let d = dir.to_str().unwrap();
+    let (w, m) = (temp("hf-w.safetensors"), temp("hf-m.jsonl"));
+    let common = [
+        "run", "--config", d, "--batch", "2", "--data", "fixed", "--seed", "3",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = common.to_vec();
+        args.extend_from_slice(extra);
+        graphtrain(&args)
+    };
+    let (w_s, m_s) = (w.to_str().unwrap(), m.to_str().unwrap());
+    ok(&run(&["--steps", "2", "--init-out", w_s, "--metrics", m_s]));
+    let want = metric_losses(&m);
+    // The graph's names back to transformers', in two shard files.
+    let to_hf = |name: &str| -> String {
+        let renames = [
+            ("tok_embeddings.weight", "model.embed_tokens.weight"),
+            ("norm.weight", "model.norm.weight"),
+            ("output.weight", "lm_head.weight"),
+        ];
+        if let Some((_, hf)) = renames.iter().find(|(ours, _)| *ours == name) {
+            return hf.to_string();
+        }
+        let parts = [
+            ("attention.wq", "self_attn.q_proj"),
+            ("attention.wk", "self_attn.k_proj"),
+            ("attention.wv", "self_attn.v_proj"),
+            ("attention.wo", "self_attn.o_proj"),
+            ("feed_forward.w1", "mlp.gate_proj"),
+            ("feed_forward.w3", "mlp.up_proj"),
+            ("feed_forward.w2", "mlp.down_proj"),
+            ("attention_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+        ];
+        let (ours, hf) = parts.iter().find(|(o, _)| name.contains(o)).unwrap();
+        format!("model.{}", name.replace(ours, hf))
+    };
+    let weights = read_f32(&w);
+    /// A tensor as written: name, shape, F32 bytes.
+    type Written = (String, Vec<usize>, Vec<u8>);
+    let mut shards: [Vec<Written>; 2] = Default::default();
+    for (i, (name, (shape, values))) in weights.iter().enumerate() {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        shards[i % 2].push((to_hf(name), shape.clone(), bytes));
+    }
+    shards[0].push((
+        "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+        vec![4],
+        vec![0; 16],
+    ));
+    for (k, shard) in shards.iter().enumerate() {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = shard
+            .iter()
+            .map(|(n, s, b)| {
+                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap();
+                (n.clone(), v)
+            })
+            .collect();
+        let file = dir.join(format!("model-0000{}-of-00002.safetensors", k + 1));
+        std::fs::write(file, safetensors::serialize(views, None).unwrap()).unwrap();
+    }
+    ok(&run(&["--steps", "2", "--init", d, "--metrics", m_s]));
+    assert_eq!(metric_losses(&m), want, "the folder's weights");
+    let shown = graphtrain(&["config", "show", d]);
+    ok(&shown);
+    let ron = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        ron.contains("rope_layout: Half") && ron.contains("seq_len: 16"),
+        "{ron}"
+    );
+
+    // A config it cannot train, and a tensor that is no Llama's, are refused by name.
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace(
+            r#""rope_scaling": null"#,
+            r#""rope_scaling": {"rope_type": "llama3"}"#,
+        ),
+    )
+    .unwrap();
+    let o = run(&["--steps", "1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("rope_scaling"), "{err}");
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let stray = dir.join("model-00002-of-00002.safetensors");
+    let views = vec![(
+        "model.layers.0.mlp.up_proj.bias".to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &[0u8; 4]).unwrap(),
+    )];
+    std::fs::write(&stray, safetensors::serialize(views, None).unwrap()).unwrap();
+    let o = run(&["--steps", "1", "--init", d]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("`model.layers.0.mlp.up_proj.bias` is no tensor"),
+        "{err}"
+    );
+}
+
 /// The peer's `load_init` renames torchtitan's names (`TITAN_NAMES` in llama_step.py) and needs
 /// every parameter of its model, no more, with its shape; this mirrors both for the `peer`
 /// config.
@@ -653,4 +766,21 @@ print("loaded", repr(float(m.layers[0].attn.wq.weight[0, 1])))
         got as f64,
         "{out}"
     );
+}
+
+/// transformers' own forward from a Llama folder gives graphtrain's loss
+/// (`scripts/vs_transformers.py`: untied and tied embeddings, grouped-query heads, within 1e-5).
+#[test]
+#[ignore = "needs a Python with torch, numpy and transformers: the peer's venv plus `pip install transformers` (or GRAPHTRAIN_PEER_PYTHON)"]
+fn transformers_computes_the_same_loss_from_a_llama_folder() {
+    let python = peer_python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vs_transformers.py");
+    let o = Command::new(&python)
+        .arg(&script)
+        .arg(env!("CARGO_BIN_EXE_graphtrain"))
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", python.display()));
+    ok(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out.matches("relative difference").count(), 2, "{out}");
 }

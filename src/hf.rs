@@ -1,0 +1,241 @@
+//! Hugging Face Llama checkpoints: a model folder as transformers writes it (`config.json`,
+//! `model.safetensors` or its shards) read as a graphtrain config (`--config DIR/config.json`)
+//! and starting parameters (`--init DIR`).
+//!
+//! The mapping: transformers' `LlamaForCausalLM` names become torchtitan's
+//! (`model.layers.N.self_attn.q_proj.weight` -> `layers.N.attention.wq.weight`, ...), Linear
+//! weights keep their `[out, in]` layout, and the config takes `rope_layout: Half`: transformers
+//! stores q and k permuted for its `rotate_half` RoPE, which is graphtrain's `Half` layout, so
+//! the weights need no permutation. A config graphtrain cannot train as written is refused by
+//! field (RoPE scaling, biases, another activation, another `head_dim`), never approximated.
+//!
+//! A config.json holds no batch and no sequence length: the batch is 8 (`--batch` sets it) and
+//! the sequence `max_position_embeddings`, at most 2048 (`graphtrain config show DIR/config.json`
+//! prints the result, to edit as RON).
+
+use graphtrain_ir::RopeLayout;
+use graphtrain_models::Llama3Config;
+use serde_json::Value;
+
+/// The longest sequence a config read from config.json trains on by default.
+const MAX_DEFAULT_SEQ: usize = 2048;
+/// The batch of a config read from config.json.
+const DEFAULT_BATCH: usize = 8;
+
+/// A transformers Llama `config.json` as a graphtrain config; the error names the field.
+pub fn config_from_hf(text: &str) -> Result<Llama3Config, String> {
+    let json: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let field = |name: &str| json.get(name).filter(|v| !v.is_null());
+    let count = |name: &str| -> Result<usize, String> {
+        let v = field(name).ok_or_else(|| format!("no `{name}`"))?;
+        v.as_u64()
+            .filter(|&n| n > 0)
+            .map(|n| n as usize)
+            .ok_or_else(|| format!("`{name}` is {v}, not a positive whole number"))
+    };
+    let number = |name: &str, default: f64| -> Result<f64, String> {
+        match field(name) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| format!("`{name}` is {v}, not a positive number")),
+        }
+    };
+    match field("model_type").and_then(Value::as_str) {
+        Some("llama") => {}
+        Some(other) => {
+            return Err(format!(
+                "`model_type` is `{other}`; graphtrain reads Llama (`llama`) checkpoints"
+            ))
+        }
+        None => return Err("no `model_type` (a transformers config names its model)".into()),
+    }
+    if let Some(scaling) = field("rope_scaling") {
+        return Err(format!(
+            "`rope_scaling` is {scaling}: RoPE scaling (Llama 3.1's and others') is not built; \
+a config without it trains"
+        ));
+    }
+    for flag in ["attention_bias", "mlp_bias"] {
+        if field(flag).and_then(Value::as_bool) == Some(true) {
+            return Err(format!(
+                "`{flag}` is true: graphtrain's Linear layers have no bias"
+            ));
+        }
+    }
+    if let Some(act) = field("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(format!(
+                "`hidden_act` is `{act}`: graphtrain's feed-forward is SwiGLU (`silu`)"
+            ));
+        }
+    }
+    let dim = count("hidden_size")?;
+    let n_heads = count("num_attention_heads")?;
+    let n_kv_heads = match field("num_key_value_heads") {
+        Some(_) => count("num_key_value_heads")?,
+        None => n_heads,
+    };
+    if let Some(head_dim) = field("head_dim") {
+        if head_dim.as_u64() != Some((dim / n_heads) as u64) {
+            return Err(format!(
+                "`head_dim` is {head_dim}; graphtrain's heads are hidden_size / \
+num_attention_heads = {}",
+                dim / n_heads
+            ));
+        }
+    }
+    let seq_len = match field("max_position_embeddings") {
+        Some(_) => count("max_position_embeddings")?.min(MAX_DEFAULT_SEQ),
+        None => MAX_DEFAULT_SEQ,
+    };
+    let cfg = Llama3Config {
+        dim,
+        n_layers: count("num_hidden_layers")?,
+        n_heads,
+        n_kv_heads,
+        vocab_size: count("vocab_size")?,
+        ffn_hidden: count("intermediate_size")?,
+        rope_theta: number("rope_theta", 10000.0)?,
+        rope_layout: RopeLayout::Half,
+        norm_eps: number("rms_norm_eps", 1e-6)?,
+        batch: DEFAULT_BATCH,
+        seq_len,
+        tied_embeddings: field("tie_word_embeddings").and_then(Value::as_bool) == Some(true),
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// The graph's name of a transformers Llama tensor; `Ok(None)` for buffers that are no
+/// parameter (`rotary_emb.inv_freq`, which older transformers saved); an error for a name
+/// that maps to nothing.
+pub fn graph_name(hf: &str) -> Result<Option<String>, String> {
+    if hf.ends_with("rotary_emb.inv_freq") {
+        return Ok(None);
+    }
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("tok_embeddings.weight"),
+        "model.norm.weight" => Some("norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Ok(Some(name.to_string()));
+    }
+    let unknown = || format!("`{hf}` is no tensor of a transformers Llama");
+    let rest = hf.strip_prefix("model.layers.").ok_or_else(unknown)?;
+    let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
+    layer.parse::<usize>().map_err(|_| unknown())?;
+    let ours = match part {
+        "self_attn.q_proj.weight" => "attention.wq.weight",
+        "self_attn.k_proj.weight" => "attention.wk.weight",
+        "self_attn.v_proj.weight" => "attention.wv.weight",
+        "self_attn.o_proj.weight" => "attention.wo.weight",
+        "mlp.gate_proj.weight" => "feed_forward.w1.weight",
+        "mlp.up_proj.weight" => "feed_forward.w3.weight",
+        "mlp.down_proj.weight" => "feed_forward.w2.weight",
+        "input_layernorm.weight" => "attention_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        _ => return Err(unknown()),
+    };
+    Ok(Some(format!("layers.{layer}.{ours}")))
+}
+
+/// Whether these tensor names are transformers' (every Llama checkpoint of it has
+/// `model.embed_tokens.weight`).
+pub fn is_hf(names: &[&str]) -> bool {
+    names.iter().any(|n| n.starts_with("model."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMALL: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+  "intermediate_size": 172, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "num_hidden_layers": 3, "vocab_size": 300, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+  "max_position_embeddings": 4096, "hidden_act": "silu", "tie_word_embeddings": true,
+  "rope_scaling": null, "attention_bias": false, "torch_dtype": "bfloat16"
+}"#;
+
+    #[test]
+    fn a_llama_config_reads_field_by_field() {
+        let cfg = config_from_hf(SMALL).unwrap();
+        assert_eq!(
+            (
+                cfg.dim,
+                cfg.n_layers,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.ffn_hidden
+            ),
+            (64, 3, 4, 2, 172)
+        );
+        assert_eq!((cfg.vocab_size, cfg.seq_len, cfg.batch), (300, 2048, 8));
+        assert_eq!(cfg.rope_layout, RopeLayout::Half);
+        assert!(cfg.tied_embeddings && cfg.norm_eps == 1e-5 && cfg.rope_theta == 10000.0);
+    }
+
+    #[test]
+    fn what_graphtrain_cannot_train_is_refused_by_field() {
+        for (change, needle) in [
+            (r#""model_type": "llama""#, r#""model_type": "mistral""#),
+            (
+                r#""rope_scaling": null"#,
+                r#""rope_scaling": {"rope_type": "llama3"}"#,
+            ),
+            (r#""attention_bias": false"#, r#""attention_bias": true"#),
+            (r#""hidden_act": "silu""#, r#""hidden_act": "gelu""#),
+            (r#""hidden_size": 64"#, r#""hidden_size": 0"#),
+            (
+                r#""rope_theta": 10000.0"#,
+                r#""head_dim": 32, "rope_theta": 10000.0"#,
+            ),
+        ] {
+            let text = SMALL.replace(change, needle);
+            let field = needle.split('"').nth(1).unwrap();
+            let e = config_from_hf(&text).unwrap_err();
+            assert!(e.contains(field), "{needle}: {e}");
+        }
+    }
+
+    #[test]
+    fn names_map_to_torchtitans_and_strangers_are_refused() {
+        for (hf, ours) in [
+            ("model.embed_tokens.weight", "tok_embeddings.weight"),
+            (
+                "model.layers.11.self_attn.k_proj.weight",
+                "layers.11.attention.wk.weight",
+            ),
+            (
+                "model.layers.0.mlp.gate_proj.weight",
+                "feed_forward.w1.weight",
+            ),
+            (
+                "model.layers.2.mlp.up_proj.weight",
+                "layers.2.feed_forward.w3.weight",
+            ),
+            (
+                "model.layers.0.post_attention_layernorm.weight",
+                "ffn_norm.weight",
+            ),
+            ("lm_head.weight", "output.weight"),
+        ] {
+            let got = graph_name(hf).unwrap().unwrap();
+            assert!(got.ends_with(ours), "{hf} -> {got}");
+        }
+        assert_eq!(
+            graph_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
+            Ok(None)
+        );
+        for bad in [
+            "model.layers.x.mlp.up_proj.weight",
+            "model.layers.0.mlp.up_proj.bias",
+        ] {
+            assert!(graph_name(bad).unwrap_err().contains(bad));
+        }
+    }
+}
