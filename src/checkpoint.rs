@@ -98,6 +98,14 @@ pub struct Checkpoint {
     pub tensors: Vec<HostTensor>,
 }
 
+impl Checkpoint {
+    /// Its tensors, each with its name, in the file's order.
+    pub fn named_tensors(self) -> Vec<(String, HostTensor)> {
+        let names = self.header.tensors.into_iter().map(|e| e.name);
+        names.zip(self.tensors).collect()
+    }
+}
+
 /// The checksum of tensors and metadata: 64-bit FNV-1a, the same fingerprint token files use;
 /// any single changed byte changes it.
 pub use crate::data::fingerprint::fnv1a64;

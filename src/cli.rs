@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use graphtrain_ir::autocast::Precision;
 use graphtrain_ir::optim::{OptimConfig, Optimizer};
 use graphtrain_ir::stats::GraphStats;
-use graphtrain_ir::{text, verify, Graph, HostTensor, Phase};
+use graphtrain_ir::{text, verify, Graph, Phase};
 use graphtrain_lowering::{plan_buffers, Mode};
 use graphtrain_models::{Llama3Config, LLAMA3_CONFIGS};
 use graphtrain_passes::{
@@ -1151,10 +1151,10 @@ pub struct RunArgs {
     /// `--config FOLDER`), or a graphtrain checkpoint (file or sharded folder), of which only the
     /// parameters are taken: the run starts at step 1 with fresh optimizer state, e.g. to
     /// fine-tune on other data; a checkpoint of a run on text brings its tokenizer, which
-    /// tokenizes --data PATH unless --tokenizer is given. --seed still draws the data. A
-    /// missing parameter, a shape that
-    /// differs, a tensor the step does not have or a non-finite value is an error naming it.
-    /// Not with --resume, which restores parameters and optimizer state.
+    /// tokenizes --data PATH unless --tokenizer is given. --seed still draws the data. A missing
+    /// parameter, a shape that differs, a tensor the step does not have or a non-finite value
+    /// is an error naming it. Not with --resume, which restores parameters and optimizer
+    /// state.
     #[arg(long, conflicts_with = "resume")]
     pub init: Option<PathBuf>,
     /// Write the initial parameters (before step 1) to this safetensors file, F32, under the
@@ -2833,7 +2833,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
         json,
         &format!("the tokenizer in {}", a.checkpoint.display()),
     )?;
-    let model = &ckpt.header.run.model;
+    let model = &ckpt.header.run.model.clone();
     if tokenizer.vocab_size() > model.vocab_size {
         return Err(format!(
             "{}: the tokenizer has {} tokens, the model's vocab_size is {}",
@@ -2846,13 +2846,7 @@ fn generate(a: GenerateArgs) -> Result<(), String> {
     if let Some(why) = backend.unavailable() {
         return Err(format!("--backend {backend}: {why}"));
     }
-    let params: Vec<(String, HostTensor)> = ckpt
-        .header
-        .tensors
-        .iter()
-        .map(|e| e.name.clone())
-        .zip(ckpt.tensors)
-        .collect();
+    let params = ckpt.named_tensors();
     let prompt = a.sampling.prompt();
     let text = sample_text(
         model,

@@ -132,15 +132,8 @@ fn named_as_the_graph(tensors: Vec<(String, HostTensor)>) -> Result<InitialWeigh
 /// A checkpoint's tensors, all of them (the trainer takes the parameters).
 fn checkpoint_weights(ckpt: checkpoint::Checkpoint) -> Result<InitialWeights, String> {
     let tokenizer_json = ckpt.header.extra.get(crate::cli::TOKENIZER_KEY).cloned();
-    let tensors = ckpt
-        .header
-        .tensors
-        .iter()
-        .map(|e| e.name.clone())
-        .zip(ckpt.tensors)
-        .collect();
     Ok(InitialWeights {
-        tensors,
+        tensors: ckpt.named_tensors(),
         from_checkpoint: true,
         tokenizer_json,
     })

@@ -1247,13 +1247,9 @@ step, so it cannot resume the data there",
                 ckpt.header.data_batches_consumed, ckpt.header.steps_done
             )));
         }
-        let mut by_name: std::collections::HashMap<String, HostTensor> = ckpt
-            .header
-            .tensors
-            .iter()
-            .map(|e| e.name.clone())
-            .zip(ckpt.tensors)
-            .collect();
+        let steps_done = ckpt.header.steps_done;
+        let mut by_name: std::collections::HashMap<String, HostTensor> =
+            ckpt.named_tensors().into_iter().collect();
         for ((input, slot), feed) in self
             .graph
             .inputs
@@ -1289,7 +1285,7 @@ step, so it cannot resume the data there",
                 "the checkpoint holds `{extra}`, which this train step does not have"
             )));
         }
-        self.steps_done = ckpt.header.steps_done;
+        self.steps_done = steps_done;
         write_inputs(self.exec.as_mut(), &self.slots)?;
         self.slots_stale = false;
         Ok(())
