@@ -5,7 +5,10 @@ Builds small random `LlamaForCausalLM`s (grouped-query attention, untied and tie
 norm weights away from one, weights large enough that attention is far from uniform and a
 wrong RoPE layout shows), saves each as transformers does (config.json, model.safetensors),
 trains one step of it with `graphtrain run --config DIR --init DIR --dump-batches`, and compares
-graphtrain's step-1 loss with transformers' loss on the same batch from the same weights.
+graphtrain's step-1 loss with transformers' loss on the same batch from the same weights. Then
+the other way: a graphtrain model with Meta's interleaved RoPE, two steps trained from the
+first folder's weights, `graphtrain export`ed and loaded by `LlamaForCausalLM.from_pretrained`,
+against graphtrain's own loss on the next step.
 
     PYTHON scripts/vs_transformers.py [GRAPHTRAIN_BINARY]
 
@@ -53,4 +56,32 @@ with tempfile.TemporaryDirectory() as tmp:
         worst = max(worst, rel)
         print(f"tied embeddings {tied}: graphtrain {ours:.7f}, transformers {theirs:.7f}, "
               f"relative difference {rel:.1e}")
+    # Export: an interleaved-RoPE graphtrain model (q and k rows reordered on the way out).
+    folder = os.path.join(tmp, "llama-tied-False")
+    ron = subprocess.run([binary, "config", "show", folder], check=True, capture_output=True,
+                         text=True).stdout
+    config = os.path.join(tmp, "interleaved.ron")
+    with open(config, "w") as f:
+        f.write(ron.replace("rope_layout: Half", "rope_layout: Interleaved")
+                   .replace("batch: 8", "batch: 2"))
+    common = [binary, "run", "--config", config, "--init", folder, "--data", "fixed"]
+    metrics, ckpt = os.path.join(tmp, "m3.jsonl"), os.path.join(tmp, "c.ckpt")
+    batches, exported = os.path.join(tmp, "b3.u32"), os.path.join(tmp, "exported")
+    subprocess.run(common + ["--steps", "3", "--metrics", metrics], check=True,
+                   capture_output=True)
+    ours = [json.loads(l)["loss"] for l in open(metrics) if '"kind":"step"' in l][2]
+    subprocess.run(common + ["--steps", "2", "--checkpoint", ckpt, "--dump-batches", batches],
+                   check=True, capture_output=True)
+    subprocess.run([binary, "export", ckpt, "--out", exported], check=True, capture_output=True)
+    model = LlamaForCausalLM.from_pretrained(exported).float().eval()
+    rows = np.fromfile(batches, dtype="<u4").astype(np.int64).reshape(2, 2, -1)[0]  # step 1 of 2
+    x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    theirs = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, model.config.vocab_size).double(), y.reshape(-1)).item()
+    rel = abs(ours - theirs) / theirs
+    worst = max(worst, rel)
+    print(f"exported (interleaved RoPE, step 3): graphtrain {ours:.7f}, transformers "
+          f"{theirs:.7f}, relative difference {rel:.1e}")
 sys.exit(0 if worst <= 1e-5 else 1)

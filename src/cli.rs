@@ -135,6 +135,10 @@ pub enum Command {
     Plot(PlotArgs),
     /// Sample text from a checkpoint of a run on text data (its tokenizer travels with it).
     Generate(GenerateArgs),
+    /// Write a checkpoint's model as a Hugging Face Llama folder (config.json,
+    /// model.safetensors, and the tokenizer of a run on text) that transformers loads with
+    /// `LlamaForCausalLM.from_pretrained`.
+    Export(ExportArgs),
     /// Tokenizers: train a byte-level BPE on a corpus, encode and decode text.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
@@ -1239,6 +1243,19 @@ impl SamplingArgs {
     }
 }
 
+/// `graphtrain export`: a checkpoint as a Hugging Face Llama folder.
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// A checkpoint written by `run --checkpoint` (a file or a sharded folder).
+    pub checkpoint: PathBuf,
+    /// The folder to write (created if missing; its files of those names are replaced).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// How the weights are stored.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: crate::hf::ExportDtype,
+}
+
 /// `graphtrain generate`: text from a checkpoint.
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -1758,6 +1775,13 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Check { file } => check(file),
         Command::Plot(a) => plot(a),
         Command::Generate(a) => generate(a),
+        Command::Export(a) => {
+            let ckpt = crate::sharded::load_any(&a.checkpoint)?;
+            let wrote = crate::hf::export(ckpt, &a.out, a.dtype)
+                .map_err(|e| format!("export {}: {e}", a.checkpoint.display()))?;
+            say!("wrote {}: {wrote}", a.out.display());
+            Ok(())
+        }
         Command::Tokenizer(c) => tokenizer_command(c),
         Command::Data(c) => data_command(c),
         Command::Config(ConfigCommand::Show { name }) => {

@@ -1,6 +1,7 @@
 //! Hugging Face Llama checkpoints: a model folder as transformers writes it (`config.json`,
 //! `model.safetensors` or its shards) read as a graphtrain config (`--config DIR/config.json`)
-//! and starting parameters (`--init DIR`).
+//! and starting parameters (`--init DIR`), and a checkpoint written as one (`graphtrain
+//! export`), for transformers and the tools around it.
 //!
 //! The mapping: transformers' `LlamaForCausalLM` names become torchtitan's
 //! (`model.layers.N.self_attn.q_proj.weight` -> `layers.N.attention.wq.weight`, ...), Linear
@@ -8,6 +9,12 @@
 //! stores q and k permuted for its `rotate_half` RoPE, which is graphtrain's `Half` layout, so
 //! the weights need no permutation. A config graphtrain cannot train as written is refused by
 //! field (RoPE scaling, biases, another activation, another `head_dim`), never approximated.
+//!
+//! Export writes the inverse: the config (the sequence length as `max_position_embeddings`),
+//! the parameters under transformers' names, and a config of `rope_layout: Interleaved` (Meta's
+//! pairs `(2i, 2i + 1)`) with each head's q and k rows reordered to `rotate_half`'s pairs
+//! `(i, i + d/2)`, as transformers' own conversion of Meta's weights does: the attention
+//! scores are the same sums in another order.
 //!
 //! A config.json holds no batch and no sequence length: the batch is 8 (`--batch` sets it) and
 //! the sequence `max_position_embeddings`, at most 2048 (`graphtrain config show DIR/config.json`
@@ -149,6 +156,157 @@ pub fn is_hf(names: &[&str]) -> bool {
     names.iter().any(|n| n.starts_with("model."))
 }
 
+/// A graphtrain config as a transformers `LlamaConfig` (`config.json`), weights in `dtype`
+/// (`float32` or `bfloat16`).
+pub fn config_to_hf(cfg: &Llama3Config, dtype: &str) -> Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "num_hidden_layers": cfg.n_layers,
+        "head_dim": cfg.dim / cfg.n_heads,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": null,
+        "max_position_embeddings": cfg.seq_len,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "mlp_bias": false,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "torch_dtype": dtype,
+    })
+}
+
+/// transformers' name of a graph parameter (the inverse of `graph_name`).
+pub fn hf_name(ours: &str) -> Result<String, String> {
+    let fixed = match ours {
+        "tok_embeddings.weight" => Some("model.embed_tokens.weight"),
+        "norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Ok(name.to_string());
+    }
+    let unknown = || format!("`{ours}` is no parameter of graphtrain's Llama");
+    let rest = ours.strip_prefix("layers.").ok_or_else(unknown)?;
+    let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
+    let theirs = match part {
+        "attention.wq.weight" => "self_attn.q_proj.weight",
+        "attention.wk.weight" => "self_attn.k_proj.weight",
+        "attention.wv.weight" => "self_attn.v_proj.weight",
+        "attention.wo.weight" => "self_attn.o_proj.weight",
+        "feed_forward.w1.weight" => "mlp.gate_proj.weight",
+        "feed_forward.w3.weight" => "mlp.up_proj.weight",
+        "feed_forward.w2.weight" => "mlp.down_proj.weight",
+        "attention_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        _ => return Err(unknown()),
+    };
+    Ok(format!("model.layers.{layer}.{theirs}"))
+}
+
+/// The rows of a q or k projection (`[heads * d, in]`, rows in Meta's interleaved pair order
+/// per head) in `rotate_half`'s order: row `h·d + j·d/2 + i` takes row `h·d + 2i + j`.
+pub fn interleaved_to_half(rows: &[f64], heads: usize, cols: usize) -> Vec<f64> {
+    let d = rows.len() / cols / heads;
+    let mut out = vec![0.0; rows.len()];
+    for h in 0..heads {
+        for i in 0..d / 2 {
+            for j in 0..2 {
+                let (to, from) = (h * d + j * d / 2 + i, h * d + 2 * i + j);
+                out[to * cols..(to + 1) * cols]
+                    .copy_from_slice(&rows[from * cols..(from + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// How `export` stores the weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportDtype {
+    /// Exactly the checkpoint's values.
+    F32,
+    /// Rounded to the nearest bf16 (ties to even): half the bytes, as most published weights.
+    Bf16,
+}
+
+/// Writes the parameters of `ckpt` (a run's checkpoint; its optimizer state stays behind) into
+/// the folder `dir` as transformers reads a Llama: `config.json`, `model.safetensors` and, for
+/// a run on text, `tokenizer.json`. Returns what it wrote, in words.
+pub fn export(
+    ckpt: crate::checkpoint::Checkpoint,
+    dir: &std::path::Path,
+    dtype: ExportDtype,
+) -> Result<String, String> {
+    let cfg = ckpt.header.run.model.clone();
+    let tokenizer = ckpt.header.extra.get(crate::cli::TOKENIZER_KEY).cloned();
+    let (stored, torch_dtype) = match dtype {
+        ExportDtype::F32 => (safetensors::Dtype::F32, "float32"),
+        ExportDtype::Bf16 => (safetensors::Dtype::BF16, "bfloat16"),
+    };
+    let mut tensors = Vec::new();
+    for (name, t) in ckpt.named_tensors() {
+        if name.starts_with("opt.") {
+            continue;
+        }
+        let theirs = hf_name(&name)?;
+        let heads = match name.rsplit_once(".attention.") {
+            Some((_, "wq.weight")) => Some(cfg.n_heads),
+            Some((_, "wk.weight")) => Some(cfg.n_kv_heads),
+            _ => None,
+        };
+        let data = match (heads, cfg.rope_layout) {
+            (Some(heads), RopeLayout::Interleaved) => {
+                interleaved_to_half(&t.data, heads, t.ty.shape[1])
+            }
+            _ => t.data,
+        };
+        let bytes: Vec<u8> = match dtype {
+            ExportDtype::F32 => data
+                .iter()
+                .flat_map(|&v| (v as f32).to_le_bytes())
+                .collect(),
+            ExportDtype::Bf16 => data
+                .iter()
+                .flat_map(|&v| {
+                    let rounded = graphtrain_ir::host_tensor::round_bf16(v as f32);
+                    ((rounded.to_bits() >> 16) as u16).to_le_bytes()
+                })
+                .collect(),
+        };
+        tensors.push((theirs, stored, t.ty.shape.clone(), bytes));
+    }
+    let count = tensors.len();
+    // transformers loads a safetensors file only with a `format` it knows.
+    let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = crate::checkpoint::to_safetensors(&tensors, metadata)?;
+    let config = serde_json::to_string_pretty(&config_to_hf(&cfg, torch_dtype))
+        .map_err(|e| format!("config.json: {e}"))?;
+    let write = |file: &str, bytes: &[u8]| {
+        crate::checkpoint::write_atomically(&dir.join(file), bytes)
+            .map_err(|e| format!("{}: {e}", dir.join(file).display()))
+    };
+    write("config.json", config.as_bytes())?;
+    write("model.safetensors", &weights)?;
+    if let Some(json) = &tokenizer {
+        write("tokenizer.json", json.as_bytes())?;
+    }
+    Ok(format!(
+        "config.json, model.safetensors ({count} tensors, {torch_dtype}){}",
+        if tokenizer.is_some() {
+            ", tokenizer.json"
+        } else {
+            ""
+        }
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,6 +358,35 @@ mod tests {
             let e = config_from_hf(&text).unwrap_err();
             assert!(e.contains(field), "{needle}: {e}");
         }
+    }
+
+    #[test]
+    fn exported_names_and_rows_invert_the_reading() {
+        for ours in [
+            "tok_embeddings.weight",
+            "layers.3.feed_forward.w2.weight",
+            "output.weight",
+        ] {
+            let theirs = hf_name(ours).unwrap();
+            assert_eq!(graph_name(&theirs).unwrap().as_deref(), Some(ours));
+        }
+        assert!(hf_name("layers.0.attention.wq.bias").is_err());
+        // Two heads of 4 rows, one column: pairs (0,1),(2,3) become (0,2),(1,3).
+        let rows: Vec<f64> = (0..8).map(f64::from).collect();
+        assert_eq!(
+            interleaved_to_half(&rows, 2, 1),
+            vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]
+        );
+        let cfg = Llama3Config::builtin("tiny").unwrap();
+        let back = config_from_hf(&config_to_hf(&cfg, "float32").to_string()).unwrap();
+        assert_eq!(
+            back,
+            Llama3Config {
+                rope_layout: RopeLayout::Half,
+                batch: 8,
+                ..cfg
+            }
+        );
     }
 
     #[test]
