@@ -56,6 +56,19 @@ fn read_f32(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
         .collect()
 }
 
+/// Writes F32 tensors (name, shape, little-endian bytes) as a safetensors file.
+fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
 #[test]
 fn batch_rows_are_tokens_plus_the_last_target_and_bad_batches_are_refused() {
     let b = batch(DataMode::Random, 7, 3, 2, 5, 100);
@@ -506,16 +519,10 @@ fn a_hugging_face_llama_folder_is_a_config_and_initial_weights() {
         vec![0; 16],
     ));
     for (k, shard) in shards.iter().enumerate() {
-        let views: Vec<(String, safetensors::tensor::TensorView)> = shard
-            .iter()
-            .map(|(n, s, b)| {
-                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap();
-                (n.clone(), v)
-            })
-            .collect();
-        let file = dir.join(format!("model-0000{}-of-00002.safetensors", k + 1));
-        std::fs::write(file, safetensors::serialize(views, None).unwrap()).unwrap();
+        write_f32(
+            &dir.join(format!("model-0000{}-of-00002.safetensors", k + 1)),
+            shard,
+        );
     }
     ok(&run(&["--steps", "2", "--init", d, "--metrics", m_s]));
     assert_eq!(metric_losses(&m), want, "the folder's weights");
@@ -591,15 +598,7 @@ fn an_exported_checkpoint_reads_back_as_a_hugging_face_folder() {
             (name, shape, bytes)
         })
         .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = views
-        .iter()
-        .map(|(n, s, b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                .unwrap();
-            (n.clone(), v)
-        })
-        .collect();
-    std::fs::write(&big, safetensors::serialize(views, None).unwrap()).unwrap();
+    write_f32(Path::new(&big), &views);
     ok(&tiny(&["--steps", "3", "--init", &big, "--metrics", &m]));
     let losses = metric_losses(Path::new(&m));
     ok(&tiny(&[
