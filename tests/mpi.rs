@@ -726,6 +726,49 @@ fn mpi_ranks_write_the_replay_files_of_the_threads_engine() {
     }
 }
 
+/// `--init` under `mpirun`: each rank cuts its part of another seed's initial weights, and the
+/// job trains bit for bit as the threads engine does from the same file (and not as from its
+/// own seed's).
+#[test]
+fn mpi_ranks_start_from_an_init_file_as_the_threads_engine() {
+    let _job = one_job();
+    let init = scratch("init").join("seed7.safetensors");
+    let mut c = Command::new(BIN);
+    c.args([
+        "run",
+        "--config",
+        "tiny",
+        "--seed",
+        "7",
+        "--steps",
+        "1",
+        "--init-out",
+    ])
+    .arg(&init);
+    let out = output(c);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let run = |mpi: bool, with_init: bool| {
+        let mut c = if mpi { mpirun(4) } else { Command::new(BIN) };
+        if mpi {
+            c.arg(BIN);
+        }
+        c.args(train_args("3", "dp_shard=2,tp=2"));
+        if mpi {
+            c.args(["--launcher", "mpi"]);
+        }
+        if with_init {
+            c.arg("--init").arg(&init);
+        }
+        let out = output(c);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        step_lines(&text(&out.stdout))
+    };
+    let threads = run(false, true);
+    assert_eq!(threads.len(), 3);
+    assert_eq!(run(true, true), threads, "MPI ranks from the init file");
+    assert_ne!(run(false, false), threads, "the seed's own weights");
+}
+
 /// A plan `autoshard` chose (squeezed under a memory limit, so it splits weights) runs under
 /// `mpirun` bit for bit as on threads, like any plan.
 #[test]
