@@ -1785,7 +1785,7 @@ pub fn run_command(command: Command, registry: &Registry) -> Result<(), String> 
         Command::Tokenizer(c) => tokenizer_command(c),
         Command::Data(c) => data_command(c),
         Command::Config(ConfigCommand::Show { name }) => {
-            let hf = name.ends_with(".json") || std::path::Path::new(&name).is_dir();
+            let hf = crate::config::hf_config_path(&name).is_some();
             let cfg = match Llama3Config::builtin(&name) {
                 Some(cfg) => cfg,
                 None if hf => crate::config::load_config(&name)?,

@@ -23,12 +23,7 @@ pub fn load_config(spec: &str) -> Result<Llama3Config, String> {
         return Ok(cfg);
     }
     let path = Path::new(spec);
-    let hf_json = if path.is_dir() {
-        Some(path.join("config.json"))
-    } else {
-        spec.ends_with(".json").then(|| path.to_path_buf())
-    };
-    if let Some(json) = hf_json {
+    if let Some(json) = hf_config_path(spec) {
         let text = std::fs::read_to_string(&json)
             .map_err(|e| format!("cannot read config file `{}`: {e}", json.display()))?;
         return crate::hf::config_from_hf(&text).map_err(|e| {
@@ -49,6 +44,17 @@ pub fn load_config(spec: &str) -> Result<Llama3Config, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read config file `{spec}`: {e}"))?;
     parse_config(&text).map_err(|e| format!("config file `{spec}`: {e}"))
+}
+
+/// The transformers `config.json` that `spec` names: itself where it ends in `.json`, or the
+/// one in the folder it names; `None` for anything else (a built-in name, a RON file).
+pub fn hf_config_path(spec: &str) -> Option<std::path::PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        Some(path.join("config.json"))
+    } else {
+        spec.ends_with(".json").then(|| path.to_path_buf())
+    }
 }
 
 /// Parses a RON config; errors carry the line:column ron reports and the field at fault.

@@ -115,6 +115,39 @@ num_attention_heads = {}",
     Ok(cfg)
 }
 
+/// Tensors outside the layers: (the graph's name, transformers').
+const TOP_NAMES: [[&str; 2]; 3] = [
+    ["tok_embeddings.weight", "model.embed_tokens.weight"],
+    ["norm.weight", "model.norm.weight"],
+    ["output.weight", "lm_head.weight"],
+];
+
+/// A layer's tensors, after `layers.N.` and `model.layers.N.`: (the graph's, transformers').
+const LAYER_NAMES: [[&str; 2]; 9] = [
+    ["attention.wq.weight", "self_attn.q_proj.weight"],
+    ["attention.wk.weight", "self_attn.k_proj.weight"],
+    ["attention.wv.weight", "self_attn.v_proj.weight"],
+    ["attention.wo.weight", "self_attn.o_proj.weight"],
+    ["feed_forward.w1.weight", "mlp.gate_proj.weight"],
+    ["feed_forward.w3.weight", "mlp.up_proj.weight"],
+    ["feed_forward.w2.weight", "mlp.down_proj.weight"],
+    ["attention_norm.weight", "input_layernorm.weight"],
+    ["ffn_norm.weight", "post_attention_layernorm.weight"],
+];
+
+/// `name` through the tables, from the side `from` (0: the graph's, 1: transformers') to the
+/// other, whose layers are under `to_layers`; `None` where it is no tensor of the tables.
+fn translate(name: &str, from: usize, from_layers: &str, to_layers: &str) -> Option<String> {
+    let to = 1 - from;
+    if let Some(pair) = TOP_NAMES.iter().find(|p| p[from] == name) {
+        return Some(pair[to].to_string());
+    }
+    let (layer, part) = name.strip_prefix(from_layers)?.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let pair = LAYER_NAMES.iter().find(|p| p[from] == part)?;
+    Some(format!("{to_layers}{layer}.{}", pair[to]))
+}
+
 /// The graph's name of a transformers Llama tensor; `Ok(None)` for buffers that are no
 /// parameter (`rotary_emb.inv_freq`, which older transformers saved); an error for a name
 /// that maps to nothing.
@@ -122,32 +155,9 @@ pub fn graph_name(hf: &str) -> Result<Option<String>, String> {
     if hf.ends_with("rotary_emb.inv_freq") {
         return Ok(None);
     }
-    let fixed = match hf {
-        "model.embed_tokens.weight" => Some("tok_embeddings.weight"),
-        "model.norm.weight" => Some("norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Ok(Some(name.to_string()));
-    }
-    let unknown = || format!("`{hf}` is no tensor of a transformers Llama");
-    let rest = hf.strip_prefix("model.layers.").ok_or_else(unknown)?;
-    let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
-    layer.parse::<usize>().map_err(|_| unknown())?;
-    let ours = match part {
-        "self_attn.q_proj.weight" => "attention.wq.weight",
-        "self_attn.k_proj.weight" => "attention.wk.weight",
-        "self_attn.v_proj.weight" => "attention.wv.weight",
-        "self_attn.o_proj.weight" => "attention.wo.weight",
-        "mlp.gate_proj.weight" => "feed_forward.w1.weight",
-        "mlp.up_proj.weight" => "feed_forward.w3.weight",
-        "mlp.down_proj.weight" => "feed_forward.w2.weight",
-        "input_layernorm.weight" => "attention_norm.weight",
-        "post_attention_layernorm.weight" => "ffn_norm.weight",
-        _ => return Err(unknown()),
-    };
-    Ok(Some(format!("layers.{layer}.{ours}")))
+    translate(hf, 1, "model.layers.", "layers.")
+        .map(Some)
+        .ok_or_else(|| format!("`{hf}` is no tensor of a transformers Llama"))
 }
 
 /// Whether these tensor names are transformers' (every Llama checkpoint of it has
@@ -183,31 +193,8 @@ pub fn config_to_hf(cfg: &Llama3Config, dtype: &str) -> Value {
 
 /// transformers' name of a graph parameter (the inverse of `graph_name`).
 pub fn hf_name(ours: &str) -> Result<String, String> {
-    let fixed = match ours {
-        "tok_embeddings.weight" => Some("model.embed_tokens.weight"),
-        "norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Ok(name.to_string());
-    }
-    let unknown = || format!("`{ours}` is no parameter of graphtrain's Llama");
-    let rest = ours.strip_prefix("layers.").ok_or_else(unknown)?;
-    let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
-    let theirs = match part {
-        "attention.wq.weight" => "self_attn.q_proj.weight",
-        "attention.wk.weight" => "self_attn.k_proj.weight",
-        "attention.wv.weight" => "self_attn.v_proj.weight",
-        "attention.wo.weight" => "self_attn.o_proj.weight",
-        "feed_forward.w1.weight" => "mlp.gate_proj.weight",
-        "feed_forward.w3.weight" => "mlp.up_proj.weight",
-        "feed_forward.w2.weight" => "mlp.down_proj.weight",
-        "attention_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        _ => return Err(unknown()),
-    };
-    Ok(format!("model.layers.{layer}.{theirs}"))
+    translate(ours, 0, "layers.", "model.layers.")
+        .ok_or_else(|| format!("`{ours}` is no parameter of graphtrain's Llama"))
 }
 
 /// The rows of a q or k projection (`[heads * d, in]`, rows in Meta's interleaved pair order
